@@ -1,0 +1,3 @@
+from tgraph.cli import main
+
+raise SystemExit(main())

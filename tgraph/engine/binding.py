@@ -1,0 +1,195 @@
+"""Checking what ``Engine.forward`` is given, and binding the dynamic dims.
+
+The first ``forward`` fixes what the network left unknown (an input's dtype, or its rank: its dims
+then become symbols ``name.0``, ``name.1``, ... so later calls may change them). Every call checks
+names, types, dtypes, devices and shapes against the specs and says what was expected.
+"""
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+
+from tgraph.errors import EngineInputError
+from tgraph.ir.network import Network
+from tgraph.ir.ops import Meta, get_op
+from tgraph.ir.shape import ShapeRuleError, format_shape, resolve_dim
+from tgraph.ir.value import Value, ValueKind, scalar_dtype
+
+
+def _dtype_name(dtype: torch.dtype | None) -> str:
+    return "?" if dtype is None else str(dtype).replace("torch.", "")
+
+
+@dataclass
+class InputSpec:
+    """What one graph input must look like; unknown parts are filled in by the first call."""
+
+    name: str
+    value: Value
+    dtype: torch.dtype | None
+    shape: tuple | None
+    host: bool
+
+    def describe(self) -> str:
+        where = " (host, in runtime_params)" if self.host else ""
+        return f"{self.name}: {_dtype_name(self.dtype)}{format_shape(self.shape)}{where}"
+
+
+def input_specs(net: Network) -> dict[str, InputSpec]:
+    return {v.name: InputSpec(v.name, v, v.dtype, v.shape, v.host) for v in net.inputs}
+
+
+def _unknown_name(name: str, known: list[str], where: str) -> str:
+    close = difflib.get_close_matches(name, known, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    return f"unknown {where} {name!r}{hint}"
+
+
+def _as_host_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise EngineInputError(f"runtime param {name!r} must be on the CPU (a host value), "
+                                   f"got a tensor on {value.device}")
+        return value
+    try:
+        return torch.tensor(value, dtype=spec.dtype)
+    except (TypeError, ValueError) as err:
+        raise EngineInputError(f"runtime param {name!r}: expected a CPU tensor or a list of numbers "
+                               f"for {spec.describe()}, got {type(value).__name__}") from err
+
+
+def bind_inputs(specs: dict[str, InputSpec], inputs: Mapping[str, Any],
+                runtime_params: Mapping[str, Any] | None) -> tuple[dict[str, torch.Tensor],
+                                                                   dict[str, int],
+                                                                   torch.device | None]:
+    """Check inputs against the specs and bind symbol values.
+
+    Returns:
+        the tensors by name, the symbol bindings, and the device of the (non-host) inputs.
+    Raises:
+        EngineInputError: naming what is missing, unknown or wrong, and what was expected.
+    """
+    runtime_params = runtime_params or {}
+    if not isinstance(inputs, Mapping):
+        raise EngineInputError(f"inputs must be a dict of name -> tensor, got "
+                               f"{type(inputs).__name__}")
+    device_names = [n for n, s in specs.items() if not s.host]
+    host_names = [n for n, s in specs.items() if s.host]
+    problems = []
+    for name in inputs:
+        if name not in specs:
+            problems.append(_unknown_name(name, device_names, "input"))
+        elif specs[name].host:
+            problems.append(f"{name!r} is a host value: pass it in runtime_params")
+    for name in runtime_params:
+        if name not in specs:
+            problems.append(_unknown_name(name, host_names, "runtime param"))
+        elif not specs[name].host:
+            problems.append(f"{name!r} is a device input: pass it in inputs, not runtime_params")
+    missing = [n for n in device_names if n not in inputs]
+    missing += [n for n in host_names if n not in runtime_params]
+    if missing:
+        problems.append("missing " + ", ".join(specs[n].describe() for n in missing))
+    if problems:
+        expected = "; ".join(s.describe() for s in specs.values())
+        raise EngineInputError("; ".join(problems) + f". The network expects: {expected}")
+
+    tensors: dict[str, torch.Tensor] = {}
+    env: dict[str, int] = {}
+    origin: dict[str, str] = {}
+    device: torch.device | None = None
+    for name, spec in specs.items():
+        if spec.host:
+            t = _as_host_tensor(name, runtime_params[name], spec)
+        else:
+            t = inputs[name]
+            if not isinstance(t, torch.Tensor):
+                raise EngineInputError(f"input {name!r} must be a torch.Tensor, got "
+                                       f"{type(t).__name__}; expected {spec.describe()}")
+            if device is None:
+                device = t.device
+            elif t.device != device:
+                raise EngineInputError(f"input {name!r} is on {t.device} but other inputs are on "
+                                       f"{device}; all inputs must be on one device")
+        if spec.dtype is not None and t.dtype != spec.dtype:
+            raise EngineInputError(f"input {name!r} has dtype {_dtype_name(t.dtype)}, expected "
+                                   f"{spec.describe()}")
+        if spec.shape is not None:
+            if t.dim() != len(spec.shape):
+                raise EngineInputError(f"input {name!r} has shape {list(t.shape)} (rank {t.dim()}),"
+                                       f" expected {spec.describe()}")
+            for i, (want, got) in enumerate(zip(spec.shape, t.shape)):
+                if isinstance(want, int) and want != got:
+                    raise EngineInputError(f"input {name!r} has shape {list(t.shape)}: dim {i} is "
+                                           f"{got}, expected {spec.describe()}")
+                if isinstance(want, str):
+                    bound = env.setdefault(want, int(got))
+                    origin.setdefault(want, name)
+                    if bound != got:
+                        raise EngineInputError(
+                            f"dim {want!r} is {bound} in input {origin[want]!r} but {got} in "
+                            f"input {name!r} (shape {list(t.shape)}, expected {spec.describe()})")
+        tensors[name] = t
+    return tensors, env, device
+
+
+def fix_unknowns(specs: dict[str, InputSpec], tensors: Mapping[str, torch.Tensor]) -> None:
+    """After the first call: unknown dtypes become fixed, unknown ranks get symbolic dims."""
+    for name, spec in specs.items():
+        t = tensors[name]
+        if spec.dtype is None:
+            spec.dtype = t.dtype
+        if spec.shape is None:
+            spec.shape = tuple(f"{name}.{i}" for i in range(t.dim()))
+
+
+def infer_concrete(net: Network, tensors: Mapping[str, torch.Tensor], env: Mapping[str, int]
+                   ) -> dict[Value, tuple[tuple[int, ...], torch.dtype]]:
+    """Run every shape rule on concrete input shapes: the shape and dtype of every value.
+
+    Raises:
+        EngineInputError: when the inputs satisfy their own specs but contradict an op (e.g. the
+            inner dims of a matmul whose inputs both had unknown shapes).
+    """
+    metas: dict[Value, Meta] = {}
+    for v in net.inputs:
+        t = tensors[v.name]
+        metas[v] = Meta(tuple(t.shape), t.dtype)
+    for v in net.weights:
+        metas[v] = Meta(tuple(v.shape), v.dtype)
+    result: dict[Value, tuple[tuple[int, ...], torch.dtype]] = {}
+    for node in net.nodes:
+        ins = []
+        for v in node.inputs:
+            if v is None:
+                ins.append(None)
+            elif v.kind is ValueKind.CONST:
+                ins.append(Meta((), scalar_dtype(v.data), scalar=True))
+            else:
+                ins.append(metas[v])
+        attrs = _resolve_attrs(node.attrs, env)
+        try:
+            outs = get_op(node.op).infer_metas(ins, attrs)
+        except ShapeRuleError as err:
+            listed = ", ".join("None" if m is None else str(m) for m in ins)
+            where = f" (recorded at {node.source})" if node.source else ""
+            raise EngineInputError(f"the inputs' shapes do not fit op {node.op}{where}: {err}; "
+                                   f"its operands are {listed}") from None
+        for v, m in zip(node.outputs, outs):
+            shape = tuple(resolve_dim(d, env) for d in m.shape)
+            if not all(isinstance(d, int) for d in shape):
+                raise EngineInputError(f"op {node.op} has unresolved dims {format_shape(shape)}; "
+                                       "a symbol used in an attribute is bound by no input")
+            metas[v] = Meta(shape, m.dtype)
+            result[v] = (shape, m.dtype)
+    return result
+
+
+def _resolve_attrs(attrs: dict[str, Any], env: Mapping[str, int]) -> dict[str, Any]:
+    if "shape" in attrs and isinstance(attrs["shape"], tuple):
+        attrs = dict(attrs)
+        attrs["shape"] = tuple(resolve_dim(d, env) for d in attrs["shape"])
+    return attrs

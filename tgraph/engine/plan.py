@@ -1,0 +1,92 @@
+"""Lowering a network to a launch plan: one step per node, with the kernel chosen, its arguments
+as precomputed slot indices, and the slots to release after it (by liveness)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from tgraph.ir.network import Network
+from tgraph.ir.node import Node
+from tgraph.ir.ops import get_op
+from tgraph.ir.value import Value, ValueKind
+
+Kernel = Callable[..., Any]
+
+
+@dataclass
+class Step:
+    """One kernel launch of the plan."""
+
+    kernel: Kernel
+    kernel_name: str
+    node: Node
+    in_slots: tuple[int | None, ...]
+    out_slots: tuple[int, ...]
+    attrs: dict[str, Any]
+    release: tuple[int, ...] = ()
+    symbolic_attrs: bool = False
+
+
+@dataclass
+class LaunchPlan:
+    """Steps in execution order plus the slot layout of every value."""
+
+    steps: list[Step] = field(default_factory=list)
+    slot_of: dict[Value, int] = field(default_factory=dict)
+    num_slots: int = 0
+    constants: dict[int, Any] = field(default_factory=dict)
+
+    def slot(self, v: Value) -> int:
+        if v not in self.slot_of:
+            self.slot_of[v] = self.num_slots
+            self.num_slots += 1
+        return self.slot_of[v]
+
+
+def reference_kernel(node: Node) -> tuple[Kernel, str]:
+    """The torch reference implementation of a node's op."""
+    return get_op(node.op).reference, f"ref.{node.op}"
+
+
+def _has_symbols(attrs: dict[str, Any]) -> bool:
+    shape = attrs.get("shape")
+    return isinstance(shape, tuple) and any(isinstance(d, str) for d in shape)
+
+
+def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] = reference_kernel
+          ) -> LaunchPlan:
+    """Build the launch plan of ``net`` with kernels picked by ``select``."""
+    plan = LaunchPlan()
+    for v in net.inputs + net.weights:
+        plan.slot(v)
+    last_use: dict[Value, int] = {}
+    for i, node in enumerate(net.nodes):
+        for v in node.inputs:
+            if v is not None and v.kind is ValueKind.INTERMEDIATE:
+                last_use[v] = i
+    keep = set(net.outputs.values())
+    for i, node in enumerate(net.nodes):
+        ins = []
+        for v in node.inputs:
+            if v is None:
+                ins.append(None)
+            else:
+                ins.append(plan.slot(v))
+        outs = tuple(plan.slot(v) for v in node.outputs)
+        kernel, name = select(node)
+        plan.steps.append(Step(kernel, name, node, tuple(ins), outs, dict(node.attrs),
+                               symbolic_attrs=_has_symbols(node.attrs)))
+    for v, i in last_use.items():
+        if v not in keep:
+            step = plan.steps[i]
+            step.release = step.release + (plan.slot_of[v],)
+    # Outputs nobody reads (e.g. the second half of a split) are released where they are made.
+    for step in plan.steps:
+        for v, slot in zip(step.node.outputs, step.out_slots):
+            if v not in last_use and v not in keep:
+                step.release = step.release + (slot,)
+    for v in net.outputs.values():
+        plan.slot(v)
+    plan.constants = {slot: v.data for v, slot in plan.slot_of.items()
+                      if v.kind is ValueKind.CONST}
+    return plan
