@@ -53,8 +53,8 @@ class Match:
     outputs: list[Value] = field(default_factory=list)
 
     def graph_nodes(self, op: str) -> list[Node]:
-        """Matched graph nodes of one op, in pattern order."""
-        return [g for p, g in self.nodes.items() if p.op == op]
+        """Matched graph nodes of one op, in the order the pattern recorded them."""
+        return [self.nodes[p] for p in self.pattern.net.nodes if p.op == op and p in self.nodes]
 
 
 class Pattern:
