@@ -15,7 +15,7 @@ from tgraph.engine.binding import (
     input_specs,
 )
 from tgraph.engine.plan import LaunchPlan, lower
-from tgraph.errors import EngineInputError, GraphError
+from tgraph.errors import CaptureError, EngineInputError, GraphError
 from tgraph.ir.network import Network
 from tgraph.ir.value import Value, ValueKind
 from tgraph.passes.manager import PassManager, PassRecord
@@ -47,18 +47,39 @@ class _Binding:
     shapes: dict[Value, tuple[tuple[int, ...], torch.dtype]]
     memory: MemoryPlan
     attrs: dict[int, dict[str, Any]]
+    buffers: list[list[torch.Tensor | None]] | None = None
+    buffers_arena: torch.Tensor | None = None
+
+
+@dataclass
+class _Capture:
+    """A captured signature: static inputs, its own arena, the slots and one graph per segment."""
+
+    inputs: dict[str, torch.Tensor]
+    binding: _Binding
+    slots: list[Any]
+    graphs: list[Any]
+
+
+BACKENDS = ("auto", "reference", "triton")
 
 
 class Engine:
     """Runs a built network.
 
     Build one with ``network.build_engine()``; call :meth:`forward` with real tensors. The launch
-    plan is built once; calls whose dynamic dims differ reuse it (only shapes and the memory plan
-    are recomputed, once per distinct signature).
+    plan is built once per kind of device; calls whose dynamic dims differ reuse it (only shapes
+    and the memory plan are recomputed, once per distinct signature).
+
+    Backends: ``"reference"`` runs every op through its torch reference; ``"triton"`` runs fused
+    Triton kernels (and cuBLAS) writing into one arena planned by liveness; ``"auto"`` (default)
+    picks ``triton`` for CUDA inputs and ``reference`` otherwise.
     """
 
     def __init__(self, net: Network, pass_records: Sequence[PassRecord] = (),
-                 backend: str = "reference") -> None:
+                 backend: str = "auto") -> None:
+        if backend not in BACKENDS:
+            raise GraphError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.net = net
         self.backend = backend
         self.pass_records = list(pass_records)
@@ -73,12 +94,46 @@ class Engine:
                                  f"but the network recorded {v.describe()}")
             self.weights[v] = v.data
         self.segments: list[Segment] = partition(net)
-        self.plan: LaunchPlan = lower(net)
+        self._plans: dict[str, LaunchPlan] = {}
         self._bindings: OrderedDict[tuple, _Binding] = OrderedDict()
         self._latest: _Binding | None = None
         self._checked_devices: set[torch.device] = set()
+        self._arena: torch.Tensor | None = None
+        self._captures: dict[tuple, _Capture] = {}
+        self._graph_pool: Any = None
         self._output_clone = {name: alias_base(net, v).kind is not ValueKind.INTERMEDIATE
                               for name, v in net.outputs.items()}
+        self._segment_ranges = []
+        first = 0
+        for seg in self.segments:
+            self._segment_ranges.append(range(first, first + len(seg.nodes)))
+            first += len(seg.nodes)
+
+    # ---- plans --------------------------------------------------------------------------------
+
+    def kernel_kind(self, device: torch.device | None) -> str:
+        """``"triton"`` or ``"reference"``: which kernels run for inputs on ``device``."""
+        if self.backend != "auto":
+            return self.backend
+        return "triton" if device is not None and device.type == "cuda" else "reference"
+
+    def plan_for(self, device: torch.device | None) -> LaunchPlan:
+        kind = self.kernel_kind(device)
+        if kind not in self._plans:
+            if kind == "triton":
+                from tgraph.kernels.fast import fast_kernel
+
+                self._plans[kind] = lower(self.net, fast_kernel)
+            else:
+                self._plans[kind] = lower(self.net)
+        return self._plans[kind]
+
+    @property
+    def plan(self) -> LaunchPlan:
+        """The plan of the most recently used kind (the reference plan before any call)."""
+        if self._plans:
+            return next(reversed(self._plans.values()))
+        return self.plan_for(None)
 
     # ---- running ----------------------------------------------------------------------------------
 
@@ -100,13 +155,31 @@ class Engine:
         tensors, env, device = bind_inputs(self.specs, inputs, runtime_params)
         if not self._bindings:
             fix_unknowns(self.specs, tensors)
-        binding = self._bind(tensors, env)
+        plan = self.plan_for(device)
+        key, binding = self._bind(tensors, env, plan)
         if device is not None and device not in self._checked_devices:
             self._check_weight_devices(device)
         if outputs is not None:
             self._check_outputs(outputs, binding, device)
 
-        plan = self.plan
+        capture = self._captures.get(key)
+        if capture is not None:
+            for name, t in tensors.items():
+                capture.inputs[name].copy_(t)
+            slots = capture.slots
+            for graph, steps in zip(capture.graphs, self._segment_ranges):
+                if graph is not None:
+                    graph.replay()
+                else:
+                    self._run_steps(plan, steps, slots, capture.binding)
+        else:
+            slots = self._initial_slots(plan, tensors)
+            self._run_steps(plan, range(len(plan.steps)), slots, binding, device)
+        return self._collect(plan, slots, outputs)
+
+    __call__ = forward
+
+    def _initial_slots(self, plan: LaunchPlan, tensors: Mapping[str, torch.Tensor]) -> list[Any]:
         slots: list[Any] = [None] * plan.num_slots
         for v in self.net.inputs:
             slots[plan.slot_of[v]] = tensors[v.name]
@@ -114,10 +187,21 @@ class Engine:
             slots[plan.slot_of[v]] = data
         for slot, data in plan.constants.items():
             slots[slot] = data
-        for i, step in enumerate(plan.steps):
+        return slots
+
+    def _run_steps(self, plan: LaunchPlan, steps: range, slots: list[Any], binding: _Binding,
+                   device: torch.device | None = None) -> None:
+        buffers = binding.buffers
+        if buffers is None and any(plan.steps[i].into for i in steps):
+            buffers = self._buffers(plan, binding, device)
+        for i in steps:
+            step = plan.steps[i]
             args = [None if s is None else slots[s] for s in step.in_slots]
             attrs = binding.attrs.get(i, step.attrs)
-            result = step.kernel(*args, **attrs)
+            if step.into:
+                result = step.kernel(buffers[i], *args, **attrs)
+            else:
+                result = step.kernel(*args, **attrs)
             if len(step.out_slots) == 1:
                 slots[step.out_slots[0]] = result
             else:
@@ -126,26 +210,31 @@ class Engine:
             for s in step.release:
                 slots[s] = None
 
+    def _collect(self, plan: LaunchPlan, slots: list[Any],
+                 outputs: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
         results: dict[str, torch.Tensor] = {}
         for name, v in self.net.outputs.items():
             value = slots[plan.slot_of[v]]
             if outputs is not None:
                 outputs[name].copy_(value)
                 results[name] = outputs[name]
+            elif self._output_clone[name] or plan.steps and plan.steps[0].into \
+                    or self._captures:
+                # Arena buffers and captured slots are reused by the next call: hand out a copy.
+                results[name] = value.clone()
             else:
-                results[name] = value.clone() if self._output_clone[name] else value
+                results[name] = value
         return results
 
-    __call__ = forward
-
-    def _bind(self, tensors: Mapping[str, torch.Tensor], env: Mapping[str, int]) -> _Binding:
-        key = tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+    def _bind(self, tensors: Mapping[str, torch.Tensor], env: Mapping[str, int],
+              plan: LaunchPlan) -> tuple[tuple, _Binding]:
+        key = (id(plan),) + tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
         binding = self._bindings.get(key)
         if binding is None:
             shapes = infer_concrete(self.net, tensors, env)
             memory = plan_memory(self.net, shapes)
             attrs = {}
-            for i, step in enumerate(self.plan.steps):
+            for i, step in enumerate(plan.steps):
                 if step.symbolic_attrs:
                     resolved = dict(step.attrs)
                     resolved["shape"] = tuple(env.get(d, d) if isinstance(d, str) else d
@@ -154,11 +243,96 @@ class Engine:
             binding = _Binding(shapes, memory, attrs)
             self._bindings[key] = binding
             if len(self._bindings) > _MAX_BINDINGS:
-                self._bindings.popitem(last=False)
+                old_key, _ = self._bindings.popitem(last=False)
+                self._captures.pop(old_key, None)
         else:
             self._bindings.move_to_end(key)
         self._latest = binding
-        return binding
+        return key, binding
+
+    def _buffers(self, plan: LaunchPlan, binding: _Binding, device: torch.device | None,
+                 arena: torch.Tensor | None = None) -> list[list[torch.Tensor | None]]:
+        """Views of the arena for every buffer output of every step (cached per arena)."""
+        if arena is None:
+            need = max(binding.memory.arena_bytes, 1)
+            if self._arena is None or self._arena.device != device or self._arena.numel() < need:
+                self._arena = torch.empty(need, dtype=torch.uint8, device=device)
+            arena = self._arena
+        if binding.buffers is not None and binding.buffers_arena is arena:
+            return binding.buffers
+        buffers = []
+        for step in plan.steps:
+            outs = []
+            for v in step.node.outputs:
+                offset = binding.memory.offsets.get(v)
+                if offset is None:
+                    outs.append(None)
+                    continue
+                shape, dtype = binding.shapes[v]
+                nbytes = binding.memory.sizes[v]
+                outs.append(arena[offset:offset + nbytes].view(dtype).view(shape))
+            buffers.append(outs)
+        binding.buffers, binding.buffers_arena = buffers, arena
+        return buffers
+
+    # ---- CUDA graphs -------------------------------------------------------------------------------
+
+    def capture(self, inputs: Mapping[str, torch.Tensor],
+                runtime_params: Mapping[str, Any] | None = None) -> None:
+        """Capture CUDA graphs for the signature (shapes) of ``inputs``.
+
+        Each capturable segment becomes one graph (host segments run eagerly between replays).
+        Later ``forward`` calls with the same shapes copy their inputs into static buffers and
+        replay. All captures of an engine share one memory pool.
+
+        Raises:
+            CaptureError: if the inputs are not on CUDA or a kernel cannot be captured; the
+                original error is chained.
+        """
+        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params)
+        if device is None or device.type != "cuda":
+            raise CaptureError(f"CUDA graphs need CUDA inputs, got device {device}")
+        if not self._bindings:
+            fix_unknowns(self.specs, tensors)
+        self._check_weight_devices(device)
+        plan = self.plan_for(device)
+        key, shared = self._bind(tensors, env, plan)
+        binding = _Binding(shared.shapes, shared.memory, shared.attrs)
+        arena = torch.empty(max(binding.memory.arena_bytes, 1), dtype=torch.uint8, device=device)
+        self._buffers(plan, binding, device, arena=arena)
+        static = {name: t.clone() for name, t in tensors.items()}
+
+        # Warm up on a side stream: compiles kernels and creates library handles outside capture.
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            self._run_steps(plan, range(len(plan.steps)), self._initial_slots(plan, static),
+                            binding)
+        torch.cuda.current_stream(device).wait_stream(stream)
+
+        if self._graph_pool is None:
+            self._graph_pool = torch.cuda.graph_pool_handle()
+        slots = self._initial_slots(plan, static)
+        graphs = []
+        for seg_index, (seg, steps) in enumerate(zip(self.segments, self._segment_ranges)):
+            if not seg.capturable:
+                self._run_steps(plan, steps, slots, binding)
+                graphs.append(None)
+                continue
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph, pool=self._graph_pool):
+                    self._run_steps(plan, steps, slots, binding)
+            except Exception as err:
+                ops = ", ".join(sorted({n.op for n in seg.nodes}))
+                raise CaptureError(f"capturing segment {seg_index} of engine {self.net.name!r} "
+                                   f"(ops: {ops}) failed: {err}") from err
+            graphs.append(graph)
+        self._captures[key] = _Capture(static, binding, slots, graphs)
+
+    @property
+    def captured_signatures(self) -> int:
+        return len(self._captures)
 
     def _check_weight_devices(self, device: torch.device) -> None:
         for v, data in self.weights.items():
@@ -258,21 +432,21 @@ class Engine:
 
 
 def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence[str] = (),
-                 backend: str = "reference") -> Engine:
+                 backend: str = "auto") -> Engine:
     """Build an :class:`Engine` from ``net``.
 
     Args:
         net: the recorded network; it is copied, never changed.
         passes: run the pass pipeline (``False`` builds the network exactly as recorded).
         disabled_passes: pass names to skip (``llm.engine.disabled_passes``).
-        backend: ``"reference"`` runs every op with its torch reference kernel.
+        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see :class:`Engine`).
     Returns:
         the engine. If ``net`` is the default network, the default is fresh afterwards.
     """
     from tgraph.nn.network_manager import release_if_default
 
-    if backend not in ("reference",):
-        raise GraphError(f"unknown backend {backend!r}; expected 'reference'")
+    if backend not in BACKENDS:
+        raise GraphError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
     net.verify()
     if not net.outputs:
         raise GraphError(f"network {net.name!r} has no outputs; call mark_output(tensor, name)")

@@ -25,6 +25,7 @@ class Step:
     attrs: dict[str, Any]
     release: tuple[int, ...] = ()
     symbolic_attrs: bool = False
+    into: bool = False
 
 
 @dataclass
@@ -53,9 +54,21 @@ def _has_symbols(attrs: dict[str, Any]) -> bool:
     return isinstance(shape, tuple) and any(isinstance(d, str) for d in shape)
 
 
-def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] = reference_kernel
+def is_pure_view(node: Node) -> bool:
+    """Every output of the node aliases an input: it launches nothing and needs no buffer."""
+    op = get_op(node.op)
+    return all(op.alias_input(i) is not None for i in range(len(node.outputs)))
+
+
+def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] | None = None
           ) -> LaunchPlan:
-    """Build the launch plan of ``net`` with kernels picked by ``select``."""
+    """Build the launch plan of ``net``.
+
+    Args:
+        select: picks a kernel writing into planned buffers (``kernel(outs, *inputs, **attrs)``)
+            for each node that is not a pure view; ``None`` uses the torch references, which
+            return their results.
+    """
     plan = LaunchPlan()
     for v in net.inputs + net.weights:
         plan.slot(v)
@@ -73,9 +86,10 @@ def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] = reference
             else:
                 ins.append(plan.slot(v))
         outs = tuple(plan.slot(v) for v in node.outputs)
-        kernel, name = select(node)
+        into = select is not None and not is_pure_view(node)
+        kernel, name = select(node) if into else reference_kernel(node)
         plan.steps.append(Step(kernel, name, node, tuple(ins), outs, dict(node.attrs),
-                               symbolic_attrs=_has_symbols(node.attrs)))
+                               symbolic_attrs=_has_symbols(node.attrs), into=into))
     for v, i in last_use.items():
         if v not in keep:
             step = plan.steps[i]

@@ -45,6 +45,8 @@ class Network:
         self._users: dict[Value, list[Node]] | None = None
         self._node_ids: set[int] = set()
         self._insert_before: Node | None = None
+        # Notes passes leave for the engine (e.g. which weights a fusion concatenated).
+        self.annotations: dict[str, Any] = {}
 
     # ---- recording --------------------------------------------------------------------------
 
@@ -226,6 +228,8 @@ class Network:
             other.nodes.append(copy)
             other._node_ids.add(copy.id)
         other.outputs = {k: mapping.get(v, v) for k, v in self.outputs.items()}
+        other.annotations = {k: dict(v) if isinstance(v, dict) else v
+                             for k, v in self.annotations.items()}
         return other, mapping
 
     # ---- views ------------------------------------------------------------------------------

@@ -140,7 +140,7 @@ class Pattern:
             return m.nodes[pn] is gn
         if pn.op != gn.op or len(pn.inputs) != len(gn.inputs) or gn in m.nodes.values():
             return False
-        if not self._attrs_equal(pn, gn):
+        if not self._attrs_equal(pn, gn, m):
             return False
         m.nodes[pn] = gn
         orders = [list(range(len(pn.inputs)))]
@@ -155,12 +155,20 @@ class Pattern:
         del m.nodes[pn]
         return False
 
-    def _attrs_equal(self, pn: Node, gn: Node) -> bool:
+    def _attrs_equal(self, pn: Node, gn: Node, m: Match) -> bool:
         keys = (set(pn.attrs) | set(gn.attrs)) - self.ignore_attrs
         x = gn.inputs[0] if gn.inputs else None
         rank = x.rank if x is not None else None
         for k in keys:
             a, b = pn.attrs.get(k), gn.attrs.get(k)
+            if isinstance(a, Value):
+                # A scalar wildcard used as an attribute (e.g. rms_norm's eps) binds its value.
+                name = self.placeholders.get(a)
+                if name is None or isinstance(b, Value) or b is None:
+                    return False
+                if m.bindings.setdefault(name, b) != b:
+                    return False
+                continue
             if k == "dim" and isinstance(a, int) and isinstance(b, int) and rank:
                 a, b = a % rank, b % rank
             if a != b:

@@ -1,18 +1,28 @@
 """The pass pipeline, in order. This is the one place the order is written."""
 from __future__ import annotations
 
+from tgraph.passes.activation_fusion import SwiGLU
+from tgraph.passes.attention_fusion import RopeCache
 from tgraph.passes.canonicalize import RmsNormFusion, SiluFusion
 from tgraph.passes.cleanup import CommonSubexpressionElimination, DeadCodeElimination, NoOpRemoval
+from tgraph.passes.linear_fusion import HorizontalLinear, LinearEpilogue
 from tgraph.passes.manager import Pass
+from tgraph.passes.norm_fusion import AddRmsNorm
 
 
 def default_pipeline() -> list[Pass]:
-    """Clean up, recognise primitives spelled in plain ops, then clean up again."""
+    """Clean up; recognise primitives spelled in plain ops; merge linears that share an input
+    (so that SwiGLU sees packed gate|up); hand-written fusions; clean up."""
     return [
         NoOpRemoval(),
         CommonSubexpressionElimination(),
         SiluFusion(),
         RmsNormFusion(),
+        HorizontalLinear(),
+        AddRmsNorm(),
+        SwiGLU(),
+        RopeCache(),
+        LinearEpilogue(),
         DeadCodeElimination(),
     ]
 

@@ -71,7 +71,7 @@ class OpDef:
     infer: InferFn
     reference: Callable[..., Any]
     category: OpCategory
-    view_of: int | tuple[int, ...] | None = None
+    view_of: int | tuple[int | None, ...] | None = None
     mutates: tuple[int, ...] = ()
     commutative: bool = False
     doc: str = field(default="", compare=False)
@@ -103,7 +103,7 @@ def register_op(
     infer: InferFn,
     reference: Callable[..., Any],
     category: OpCategory,
-    view_of: int | tuple[int, ...] | None = None,
+    view_of: int | tuple[int | None, ...] | None = None,
     mutates: tuple[int, ...] = (),
     commutative: bool = False,
     doc: str = "",

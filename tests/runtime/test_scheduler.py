@@ -1,0 +1,508 @@
+"""Tests of the continuous-batching scheduler, driven by a fake deterministic model.
+
+The fake model keeps a fake paged KV cache: it writes every scheduled token into the slot the
+scheduler gave it, and to sample it reads the whole context back through the block table row. Its
+next token is a hash of that context, so a wrong slot, a block shared by two requests, a missed
+recompute after preemption or a skipped chunk changes the generated tokens, and the test that
+compares them with a plain one-request-at-a-time loop fails.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tgraph.errors import ConfigError, RequestTooLongError, TGraphError
+from tgraph.runtime.block_manager import BlockAllocator
+from tgraph.runtime.request import FinishReason, InvalidRequestError, Request, RequestStatus
+from tgraph.runtime.scheduler import Scheduler, SchedulerError, SchedulerOutput
+
+VOCAB = 13
+EOS = 0
+
+
+def next_token(context: list[int]) -> int:
+    """The fake model: a deterministic function of every token so far, in order."""
+    h = 17
+    for t in context:
+        h = (h * 1_000_003 + t + 1) % 2_147_483_647
+    return h % VOCAB
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How to build a request; Request objects are mutated by a run, so each run builds anew."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    eos: tuple[int, ...] = (EOS,)
+    stop: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def build(self) -> Request:
+        return Request(
+            self.rid, list(self.prompt), self.max_tokens, self.eos, self.stop, self.ignore_eos
+        )
+
+
+def reference(spec: Spec) -> tuple[list[int], FinishReason]:
+    """Generate for one request with a plain loop: no scheduler, no cache."""
+    tokens, out = list(spec.prompt), []
+    while True:
+        t = next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in spec.stop or (not spec.ignore_eos and t in spec.eos):
+            return out, FinishReason.STOP
+        if len(out) >= spec.max_tokens:
+            return out, FinishReason.LENGTH
+
+
+class FakeModel:
+    """Writes tokens into a fake paged cache and samples from what it reads back."""
+
+    def __init__(self, allocator: BlockAllocator) -> None:
+        self.bs = allocator.block_size
+        # slot -> (request id, incarnation, position, token); the incarnation (preemption count)
+        # makes data left by a request before its preemption unreadable after it
+        self.cache: list[tuple[str, int, int, int] | None] = [None] * allocator.capacity_tokens
+
+    def step(self, out: SchedulerOutput) -> dict[str, int]:
+        for s in out.scheduled:
+            tag = (s.request_id, s.request.num_preemptions)
+            for tok, pos, slot in zip(s.token_ids, s.positions, s.slot_ids, strict=True):
+                self.cache[slot] = (*tag, pos, tok)
+        sampled = {}
+        for s in out.scheduled:
+            tag = (s.request_id, s.request.num_preemptions)
+            context = []
+            for pos in range(s.context_len):
+                entry = self.cache[s.block_ids[pos // self.bs] * self.bs + pos % self.bs]
+                assert entry is not None and entry[:3] == (*tag, pos), (
+                    f"{s.request_id} position {pos} reads {entry}"
+                )
+                context.append(entry[3])
+            # NOTE: a token is sampled for every row, like a runner that samples the whole batch;
+            # the scheduler must ignore the ones of unfinished prefill chunks
+            sampled[s.request_id] = next_token(context)
+        return sampled
+
+
+def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
+    """Invariants that must hold right after every schedule()."""
+    alloc = sched.allocator
+    held = [b for r in sched.running for b in r.block_table.block_ids]
+    assert len(held) == len(set(held)), "a block is owned by two running requests"
+    assert len(held) + alloc.num_free == alloc.num_blocks, "a block leaked"
+    assert all(r.block_table is None for r in sched.waiting)
+    assert [r.arrival for r in sched.waiting] == sorted(r.arrival for r in sched.waiting)
+    assert [r.arrival for r in sched.running] == sorted(r.arrival for r in sched.running)
+    assert len(sched.running) <= sched.max_num_seqs
+    assert 0 < out.num_batched_tokens <= sched.max_num_batched_tokens
+    assert all(not s.is_prefill and s.query_len == 1 and s.needs_logits for s in out.decodes)
+    assert all(s.is_prefill for s in out.prefills)
+    slots = out.flat_slot_ids()
+    assert len(slots) == len(set(slots)) == out.num_batched_tokens
+    for s in out.scheduled:
+        r = s.request
+        assert r.status is RequestStatus.RUNNING
+        assert s.start == r.num_computed_tokens and s.positions == list(
+            range(s.start, s.context_len)
+        )
+        assert s.token_ids == r.all_token_ids[s.start : s.context_len]
+        assert s.needs_logits == (s.context_len == r.num_tokens)
+        bs = alloc.block_size
+        assert s.slot_ids == [s.block_ids[p // bs] * bs + p % bs for p in s.positions]
+        assert len(s.block_ids) * bs >= s.context_len
+    assert not {s.request_id for s in out.scheduled} & {r.request_id for r in out.preempted}
+
+
+def run(
+    sched: Scheduler, model: FakeModel | None = None, max_steps: int = 5000
+) -> list[SchedulerOutput]:
+    """Drive the scheduler with the fake model until every request finished."""
+    model = model or FakeModel(sched.allocator)
+    outputs = []
+    while sched.has_unfinished():
+        assert len(outputs) < max_steps, "no progress"
+        out = sched.schedule()
+        check_step(sched, out)
+        sched.update(out, model.step(out))
+        outputs.append(out)
+    return outputs
+
+
+def assert_matches_reference(sched: Scheduler, specs: list[Spec]) -> None:
+    got = {r.request_id: (r.output_token_ids, r.finish_reason) for r in sched.finished}
+    assert got == {s.rid: reference(s) for s in specs}
+    assert all(r.block_table is None and r.status is RequestStatus.FINISHED for r in sched.finished)
+    assert sched.allocator.num_free == sched.allocator.num_blocks
+
+
+def prompt(seed: int, n: int) -> tuple[int, ...]:
+    return tuple((seed * 7 + 3 * i + 1) % VOCAB for i in range(n))
+
+
+# ------------------------------------------------------------------ end to end
+
+
+def test_more_requests_than_the_cache_holds_match_solo_runs_and_preempt():
+    # 6 blocks of 4 = 24 slots; each request needs up to 15..22, together about 150
+    specs = [Spec(f"r{i}", prompt(i, 3 + i), 12 + i % 3) for i in range(8)]
+    specs.append(Spec("long-no-eos", prompt(9, 9), 12, ignore_eos=True))
+    alloc = BlockAllocator(num_blocks=6, block_size=4)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64)
+    for s in specs:
+        sched.add_request(s.build())
+    outputs = run(sched)
+
+    assert_matches_reference(sched, specs)
+    assert sched.num_preemptions > 0 and any(o.preempted for o in outputs)
+    recomputed = [r for r in sched.finished if r.num_preemptions > 0]
+    assert recomputed, "no preempted request went on to finish"
+    # the test covers both ways of finishing
+    assert {r.finish_reason for r in sched.finished} == {FinishReason.STOP, FinishReason.LENGTH}
+    # and the same requests run one at a time give the same tokens
+    for s in specs:
+        solo = Scheduler(BlockAllocator(6, 4), 1, 16, 64)
+        solo.add_request(s.build())
+        run(solo)
+        assert solo.finished[0].output_token_ids == reference(s)[0]
+        assert solo.num_preemptions == 0
+
+
+def test_preempted_request_goes_to_front_and_is_recomputed_from_its_tokens():
+    specs = [Spec(f"r{i}", prompt(i, 3), 6, ignore_eos=True) for i in range(3)]
+    alloc = BlockAllocator(num_blocks=4, block_size=2)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=16)
+    reqs = [s.build() for s in specs]
+    for r in reqs:
+        sched.add_request(r)
+    model = FakeModel(alloc)
+
+    def step() -> SchedulerOutput:
+        out = sched.schedule()
+        check_step(sched, out)
+        sched.update(out, model.step(out))
+        return out
+
+    first = step()  # r0 and r1 take 2 blocks each; r2 waits
+    assert [s.request_id for s in first.prefills] == ["r0", "r1"] and alloc.num_free == 0
+    step()  # both decode position 3, still inside their second block
+    out = sched.schedule()  # both need a third block: r0 preempts the newest, r1
+    assert out.preempted == [reqs[1]]
+    assert [s.request_id for s in out.decodes] == ["r0"] and not out.prefills
+    assert reqs[1].status is RequestStatus.PREEMPTED and reqs[1].block_table is None
+    assert reqs[1].num_computed_tokens == 0 and len(reqs[1].output_token_ids) == 2
+    assert list(sched.waiting) == [reqs[1], reqs[2]]  # in front of the never-run r2
+    sched.update(out, model.step(out))
+
+    outputs = run(sched, model)
+    again = next(s for o in outputs for s in o.prefills if s.request_id == "r1")
+    assert (
+        again.start == 0 and again.token_ids == list(specs[1].prompt) + reference(specs[1])[0][:2]
+    )
+    assert again.needs_logits
+    assert_matches_reference(sched, specs)
+
+
+def test_chunked_prefill_of_a_prompt_longer_than_the_token_budget():
+    spec = Spec("long", prompt(1, 13), 3, ignore_eos=True)
+    sched = Scheduler(BlockAllocator(8, 4), 4, max_num_batched_tokens=5, max_model_len=32)
+    sched.add_request(spec.build())
+    outputs = run(sched)
+    chunks = [
+        (s.start, s.query_len, s.needs_logits, s.is_prefill) for o in outputs for s in o.scheduled
+    ]
+    assert chunks == [
+        (0, 5, False, True),
+        (5, 5, False, True),
+        (10, 3, True, True),
+        (13, 1, True, False),
+        (14, 1, True, False),
+    ]
+    assert_matches_reference(sched, [spec])
+
+
+def test_decodes_come_first_and_share_the_budget_with_a_chunked_prefill():
+    specs = [Spec("short", prompt(2, 2), 6, ignore_eos=True), Spec("long", prompt(3, 12), 2)]
+    sched = Scheduler(BlockAllocator(16, 4), 4, max_num_batched_tokens=4, max_model_len=32)
+    for s in specs:
+        sched.add_request(s.build())
+    outputs = run(sched)
+    plan = [
+        (
+            [d.request_id for d in o.decodes],
+            [(p.request_id, p.start, p.query_len) for p in o.prefills],
+        )
+        for o in outputs[:5]
+    ]
+    assert plan == [
+        ([], [("short", 0, 2), ("long", 0, 2)]),
+        (["short"], [("long", 2, 3)]),
+        (["short"], [("long", 5, 3)]),
+        (["short"], [("long", 8, 3)]),
+        (["short"], [("long", 11, 1)]),
+    ]
+    assert_matches_reference(sched, specs)
+
+
+def test_a_prefill_chunk_shrinks_to_the_free_blocks_instead_of_preempting():
+    specs = [
+        Spec("a", prompt(1, 2), 3, ignore_eos=True),
+        Spec("b", prompt(2, 5), 2, ignore_eos=True),
+    ]
+    sched = Scheduler(BlockAllocator(4, 2), 4, max_num_batched_tokens=4, max_model_len=16)
+    for s in specs:
+        sched.add_request(s.build())
+    outputs = run(sched)
+    plan = [
+        (
+            [d.request_id for d in o.decodes],
+            [(p.request_id, p.start, p.query_len) for p in o.prefills],
+        )
+        for o in outputs[:2]
+    ]
+    # step 1: "a" takes one of the two free blocks, so "b" gets 2 tokens (one block), not 3
+    assert plan == [([], [("a", 0, 2), ("b", 0, 2)]), (["a"], [("b", 2, 2)])]
+    assert not outputs[1].preempted
+    assert_matches_reference(sched, specs)
+
+
+def test_too_long_requests_are_refused_and_the_others_finish():
+    # cache: 8 blocks of 2 = 16 token slots; max_model_len 20
+    sched = Scheduler(BlockAllocator(8, 2), 4, 8, max_model_len=20)
+    ok = [Spec("a", prompt(1, 4), 5), Spec("fills-cache", prompt(2, 10), 7, ignore_eos=True)]
+    sched.add_request(ok[0].build())
+    with pytest.raises(
+        RequestTooLongError, match=r"15 tokens \+ max_tokens 6 = 21 .* max_model_len 20"
+    ):
+        sched.add_request(Spec("too-long", prompt(3, 15), 6).build())
+    with pytest.raises(
+        RequestTooLongError, match=r"needs up to 17 KV-cache tokens .* holds 16 tokens"
+    ):
+        sched.add_request(Spec("too-big", prompt(4, 10), 8).build())
+    assert issubclass(RequestTooLongError, TGraphError) and issubclass(
+        RequestTooLongError, ValueError
+    )
+    sched.add_request(ok[1].build())  # needs exactly the whole cache: accepted
+    assert sched.num_waiting == 2
+    run(sched)
+    assert_matches_reference(sched, ok)
+
+
+def test_max_num_seqs_is_respected():
+    specs = [Spec(f"r{i}", prompt(i, 4), 5, ignore_eos=True) for i in range(6)]
+    sched = Scheduler(
+        BlockAllocator(64, 4), max_num_seqs=2, max_num_batched_tokens=64, max_model_len=32
+    )
+    for s in specs:
+        sched.add_request(s.build())
+    outputs = run(sched)  # check_step asserts running <= max_num_seqs after every step
+    assert max(len(o.scheduled) for o in outputs) == 2
+    assert len(outputs[0].prefills) == 2  # room for all six, the limit is what stops at two
+    assert_matches_reference(sched, specs)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    block_size=st.sampled_from([1, 2, 4]),
+    num_blocks=st.integers(2, 10),
+    max_num_seqs=st.integers(1, 4),
+    budget=st.integers(1, 12),
+    reqs=st.lists(
+        st.tuples(st.integers(1, 10), st.integers(1, 8), st.booleans()), min_size=1, max_size=6
+    ),
+)
+def test_random_workloads_give_the_same_tokens_as_solo_runs(
+    block_size, num_blocks, max_num_seqs, budget, reqs
+):
+    alloc = BlockAllocator(num_blocks, block_size)
+    sched = Scheduler(alloc, max_num_seqs, budget, max_model_len=16)
+    accepted = []
+    for i, (n, max_tokens, ignore_eos) in enumerate(reqs):
+        spec = Spec(f"r{i}", prompt(i, n), max_tokens, ignore_eos=ignore_eos)
+        if n + max_tokens > 16 or n + max_tokens - 1 > alloc.capacity_tokens:
+            with pytest.raises(RequestTooLongError):
+                sched.add_request(spec.build())
+        else:
+            sched.add_request(spec.build())
+            accepted.append(spec)
+    run(sched)
+    assert_matches_reference(sched, accepted)
+
+
+# ------------------------------------------------------------------ stopping, aborting, protocol
+
+
+def scripted_step(sched: Scheduler, token: int) -> SchedulerOutput:
+    out = sched.schedule()
+    sched.update(out, {s.request_id: token for s in out.scheduled if s.needs_logits})
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "tokens", "expected"),
+    [
+        ({}, [5, 0, 5], ([5, 0], FinishReason.STOP)),
+        ({"ignore_eos": True}, [5, 0, 5, 5], ([5, 0, 5, 5], FinishReason.LENGTH)),
+        ({"ignore_eos": True, "stop_token_ids": [7]}, [0, 7, 5], ([0, 7], FinishReason.STOP)),
+        ({"eos_token_ids": [3, 0]}, [5, 3], ([5, 3], FinishReason.STOP)),
+        ({"eos_token_ids": None}, [0, 0, 0, 0], ([0, 0, 0, 0], FinishReason.LENGTH)),
+    ],
+)
+def test_stop_conditions(kwargs, tokens, expected):
+    alloc = BlockAllocator(8, 2)
+    sched = Scheduler(alloc, 2, 8, 16)
+    args = {"eos_token_ids": [0], **kwargs}
+    req = Request("r", [1, 2, 3], max_tokens=4, **args)
+    sched.add_request(req)
+    for t in tokens:
+        if not sched.has_unfinished():
+            break
+        scripted_step(sched, t)
+    assert not sched.has_unfinished()
+    assert (req.output_token_ids, req.finish_reason) == expected
+    assert alloc.num_free == 8 and sched.finished == [req]
+
+
+def test_tokens_for_unfinished_prefill_chunks_are_ignored():
+    sched = Scheduler(BlockAllocator(8, 2), 2, 3, 16)
+    req = Request("r", [1, 2, 3, 4, 5], max_tokens=2)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert not out.scheduled[0].needs_logits
+    assert sched.update(out, {"r": 9}) == []
+    assert req.output_token_ids == [] and req.num_computed_tokens == 3
+
+
+def test_abort_frees_blocks_and_finishes():
+    alloc = BlockAllocator(8, 2)
+    sched = Scheduler(alloc, 1, 8, 16)
+    a, b = Request("a", [1, 2, 3], 4), Request("b", [1], 4)
+    sched.add_request(a)
+    sched.add_request(b)
+    out = sched.schedule()
+    assert a.status is RequestStatus.RUNNING and b.status is RequestStatus.WAITING
+    assert sched.abort_request("a") and sched.abort_request("b")
+    assert not sched.abort_request("a") and not sched.abort_request("nope")
+    assert sched.update(out, {"a": 1}) == []  # the aborted request's step is dropped
+    assert a.output_token_ids == [] and a.finish_reason is FinishReason.ABORT
+    assert alloc.num_free == 8 and not sched.has_unfinished()
+
+
+def test_finish_request_from_outside_for_stop_strings():
+    alloc = BlockAllocator(8, 2)
+    sched = Scheduler(alloc, 2, 8, 16)
+    req = Request("r", [1, 2], 5)
+    sched.add_request(req)
+    scripted_step(sched, 4)
+    assert sched.finish_request("r", FinishReason.STOP)
+    assert req.finish_reason is FinishReason.STOP and req.output_token_ids == [4]
+    assert alloc.num_free == 8 and sched.finished == [req] and not sched.has_unfinished()
+    with pytest.raises(TypeError, match="FinishReason"):
+        sched.finish_request("r", "stop")
+
+
+def test_request_from_sampling_params():
+    from tgraph.runtime.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=7, stop_token_ids=[3], ignore_eos=True, lora="sql")
+    req = Request.from_sampling_params("r", [1, 2], params, eos_token_ids=2)
+    assert (req.max_tokens, req.stop_token_ids, req.eos_token_ids) == (7, (3,), (2,))
+    assert req.ignore_eos and req.lora == "sql" and req.sampling_params is params
+
+
+def test_protocol_errors():
+    sched = Scheduler(BlockAllocator(8, 2), 2, 8, 16)
+    req = Request("r", [1, 2], 3)
+    sched.add_request(req)
+    with pytest.raises(InvalidRequestError, match="already in the scheduler"):
+        sched.add_request(Request("r", [1], 1))
+    out = sched.schedule()
+    with pytest.raises(SchedulerError, match="before update"):
+        sched.schedule()
+    with pytest.raises(InvalidRequestError, match="no sampled token for request 'r'"):
+        sched.update(out, {})
+    with pytest.raises(InvalidRequestError, match="unscheduled"):
+        sched.update(out, {"r": 1, "x": 2})
+    with pytest.raises(InvalidRequestError, match="must be an int"):
+        sched.update(out, {"r": 1.5})
+    with pytest.raises(InvalidRequestError, match="negative"):
+        sched.update(out, {"r": -1})
+    assert (
+        req.num_computed_tokens == 0 and req.output_token_ids == []
+    )  # failed updates changed nothing
+    sched.update(out, {"r": 4})
+    with pytest.raises(SchedulerError, match="last schedule"):
+        sched.update(out, {"r": 4})
+    assert req.output_token_ids == [4]
+    while sched.has_unfinished():
+        scripted_step(sched, 4)
+    with pytest.raises(InvalidRequestError, match="already scheduled once"):
+        sched.add_request(req)
+
+
+def test_empty_schedule_when_idle():
+    sched = Scheduler(BlockAllocator(2, 2), 1, 4, 8)
+    out = sched.schedule()
+    assert out.is_empty and out.num_batched_tokens == 0
+    sched.update(out, {})
+
+
+def test_output_flat_metadata():
+    sched = Scheduler(BlockAllocator(8, 2), 4, 16, 16)
+    a, b = Request("a", [5, 6, 7], 3, lora="math"), Request("b", [8, 9], 3)
+    sched.add_request(a)
+    sched.add_request(b)
+    sched.update(sched.schedule(), {"a": 1, "b": 2})
+    sched.add_request(Request("c", [1, 2, 3, 4], 3))
+    out = sched.schedule()
+    assert [s.request_id for s in out.scheduled] == ["a", "b", "c"]
+    assert out.flat_token_ids() == [1, 2, 1, 2, 3, 4]
+    assert out.flat_positions() == [3, 2, 0, 1, 2, 3]
+    assert out.query_start_loc() == [0, 1, 2, 6]
+    assert out.context_lens() == [4, 3, 4]
+    assert out.logits_indices() == [0, 1, 5]
+    assert out.scheduled[0].lora == "math" and out.scheduled[1].lora is None
+    rows = out.block_table_rows(pad_value=-1, width=3)
+    assert rows == [s.block_ids + [-1] * (3 - len(s.block_ids)) for s in out.scheduled]
+    with pytest.raises(ValueError, match="width"):
+        out.block_table_rows(width=1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "exc", "match"),
+    [
+        ({"prompt_token_ids": []}, InvalidRequestError, "empty prompt"),
+        ({"max_tokens": 0}, InvalidRequestError, "max_tokens must be >= 1"),
+        ({"prompt_token_ids": [1, -2]}, InvalidRequestError, "non-negative"),
+        ({"prompt_token_ids": [1, 2.0]}, TypeError, "ints"),
+        ({"prompt_token_ids": "hello"}, TypeError, "token ids"),
+        ({"request_id": 3}, TypeError, "request_id"),
+        ({"lora": 1}, TypeError, "lora"),
+    ],
+)
+def test_bad_requests_are_refused(kwargs, exc, match):
+    args = {"request_id": "r", "prompt_token_ids": [1, 2], "max_tokens": 2, **kwargs}
+    with pytest.raises(exc, match=match):
+        Request(**args)
+
+
+@pytest.mark.parametrize(
+    ("args", "exc"),
+    [
+        ((BlockAllocator(2, 2), 0, 4, 8), ConfigError),
+        ((BlockAllocator(2, 2), 1, 0, 8), ConfigError),
+        ((BlockAllocator(2, 2), 1, 4, 0), ConfigError),
+        ((BlockAllocator(2, 2), 1.0, 4, 8), TypeError),
+        ((None, 1, 4, 8), TypeError),
+    ],
+)
+def test_scheduler_rejects_bad_settings(args, exc):
+    with pytest.raises(exc):
+        Scheduler(*args)

@@ -1,0 +1,111 @@
+"""Fused ops that fusion passes introduce. Each reference is written as the composition of the
+unfused ops' references, so a fused engine on the reference backend equals the unfused one
+exactly; the Triton kernels behind them are tested against these references."""
+from __future__ import annotations
+
+import torch
+
+from tgraph.ir.ops import attention as attn_ops
+from tgraph.ir.ops.linalg import _linear_infer, _linear_ref
+from tgraph.ir.ops.norms import _norm_infer, rms_norm_reference
+from tgraph.ir.ops.pointwise import _UNARY_FLOAT, _binary, _in_fp32
+from tgraph.ir.ops.registry import (
+    Meta,
+    OpCategory,
+    dim_of,
+    register_op,
+    require,
+)
+from tgraph.ir.shape import dims_conflict
+
+EPILOGUE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid")
+
+
+def _add_rms_norm_infer(x: Meta, residual: Meta, weight: Meta, *, eps: float):
+    summed = _binary(x, residual)
+    require(summed.shape == x.shape or summed.shape is None,
+            f"add_rms_norm: residual {residual} must have the shape of x {x}")
+    return _norm_infer(summed, weight, eps=eps), summed
+
+
+def add_rms_norm_reference(x, residual, weight, *, eps):
+    summed = x + residual
+    return rms_norm_reference(summed, weight, eps=eps), summed
+
+
+register_op("add_rms_norm", infer=_add_rms_norm_infer, reference=add_rms_norm_reference,
+            category=OpCategory.FUSED,
+            doc="(rms_norm(x + residual) * weight, x + residual): the pre-norm residual step")
+
+
+def _swiglu_infer(gate_up: Meta) -> Meta:
+    width = dim_of(gate_up, -1)
+    if isinstance(width, int):
+        require(width % 2 == 0, f"swiglu needs an even last dim, got {gate_up}")
+    shape = None if gate_up.shape is None else gate_up.shape[:-1] + (
+        width // 2 if isinstance(width, int) else None,)
+    return Meta(shape, gate_up.dtype)
+
+
+def swiglu_reference(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return _in_fp32(_UNARY_FLOAT["silu"])(gate) * up
+
+
+register_op("swiglu", infer=_swiglu_infer, reference=swiglu_reference, category=OpCategory.FUSED,
+            doc="silu(gate) * up on a packed [..., 2n] gate|up tensor")
+
+
+def _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False):
+    q_out, k_out = attn_ops._rope_infer(q, k, cos, sin, interleaved=interleaved)
+    kc, vc = attn_ops._cache_infer(k_out, v, k_cache, v_cache, slots)
+    return q_out, kc, vc
+
+
+def rope_cache_reference(q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False):
+    q_rot, k_rot = attn_ops.rope_reference(q, k, cos, sin, interleaved=interleaved)
+    kc, vc = attn_ops.reshape_and_cache_reference(k_rot, v, k_cache, v_cache, slots)
+    return q_rot, kc, vc
+
+
+register_op("rope_cache", infer=_rope_cache_infer, reference=rope_cache_reference,
+            category=OpCategory.FUSED, view_of=(None, 5, 6), mutates=(5, 6),
+            doc="rope(q, k) and the write of rotated k and v into the paged cache, in one kernel")
+
+
+def _linear_epilogue_infer(x, w, bias=None, residual=None, *, transpose_b=True, act=None):
+    require(act is None or act in EPILOGUE_ACTIVATIONS,
+            f"linear_epilogue: unknown activation {act!r}")
+    out = _linear_infer(x, w, bias, transpose_b=transpose_b)
+    if residual is not None and residual.shape is not None and out.shape is not None:
+        require(len(residual.shape) == len(out.shape)
+                and not any(dims_conflict(a, b) for a, b in zip(residual.shape, out.shape)),
+                f"linear_epilogue: residual {residual} must have the output's shape {out}")
+    return out
+
+
+def linear_epilogue_reference(x, w, bias=None, residual=None, *, transpose_b=True, act=None):
+    out = _linear_ref(x, w, bias, transpose_b=transpose_b)
+    if act is not None:
+        out = _in_fp32(_UNARY_FLOAT[act])(out)
+    return out if residual is None else out + residual
+
+
+register_op("linear_epilogue", infer=_linear_epilogue_infer, reference=linear_epilogue_reference,
+            category=OpCategory.FUSED,
+            doc="act(x @ w.T + bias) + residual, with the epilogue in the matmul kernel")
+
+
+def _silu_mul_infer(a: Meta, b: Meta) -> Meta:
+    out = _binary(a, b)
+    require(out.shape == a.shape or out.shape is None,
+            f"silu_mul: {a} and {b} must have the same shape")
+    return out
+
+
+def silu_mul_reference(a, b):
+    return _in_fp32(_UNARY_FLOAT["silu"])(a) * b
+
+
+register_op("silu_mul", infer=_silu_mul_infer, reference=silu_mul_reference,
+            category=OpCategory.FUSED, doc="silu(a) * b for separate gate and up tensors")
