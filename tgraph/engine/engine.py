@@ -14,7 +14,7 @@ from tgraph.engine.binding import (
     infer_concrete,
     input_specs,
 )
-from tgraph.engine.plan import LaunchPlan, lower
+from tgraph.engine.plan import LaunchPlan, is_pure_view, lower
 from tgraph.errors import CaptureError, EngineInputError, GraphError
 from tgraph.ir.network import Network
 from tgraph.ir.value import Value, ValueKind
@@ -33,7 +33,7 @@ class EngineStats:
     node_count: int
     segment_count: int
     capturable_segments: int
-    kernel_count: int
+    kernel_count: int  # launches: nodes that are not pure views
     peak_intermediate_bytes: int | None
     naive_intermediate_bytes: int | None
     bindings: int
@@ -403,7 +403,7 @@ class Engine:
             node_count=len(self.net.nodes),
             segment_count=len(self.segments),
             capturable_segments=sum(1 for s in self.segments if s.capturable),
-            kernel_count=len(self.plan.steps),
+            kernel_count=sum(1 for st in self.plan.steps if not is_pure_view(st.node)),
             peak_intermediate_bytes=memory.arena_bytes if memory else None,
             naive_intermediate_bytes=memory.naive_bytes if memory else None,
             bindings=len(self._bindings),

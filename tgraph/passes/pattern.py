@@ -115,7 +115,9 @@ class Pattern:
             return None
         return m
 
-    def _match_value(self, pv: Value, gv: Value | None, m: Match) -> bool:
+    def _match_value(self, pv: Value | None, gv: Value | None, m: Match) -> bool:
+        if pv is None:
+            return gv is None
         if pv in self.placeholders:
             name = self.placeholders[pv]
             if isinstance(pv.data, _AnyScalar):

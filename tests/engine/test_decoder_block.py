@@ -1,0 +1,183 @@
+"""A Llama-style decoder block written with plain ops: the fusion pipeline must turn it into a
+stated small number of kernels, and every way of running it must give the same numbers."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgraph.nn import functional as F
+from tgraph.nn.network_manager import recording
+from tgraph.nn.module import Parameter
+from tgraph.nn.tensor import Tensor
+
+T, HIDDEN, HQ, HK, D, INTER = 9, 64, 4, 2, 16, 96
+BLOCK, NUM_BLOCKS = 16, 8
+
+
+def _plain_rms(x, w, eps=1e-6):
+    h = F.cast(x, torch.float32)
+    h = h * F.rsqrt(F.mean(h * h, -1, keepdim=True) + eps)
+    return w * F.cast(h, x.dtype)
+
+
+WEIGHTS = {"ln1": (HIDDEN,), "ln2": (HIDDEN,), "wq": (HQ * D, HIDDEN), "wk": (HK * D, HIDDEN),
+           "wv": (HK * D, HIDDEN), "wo": (HIDDEN, HQ * D), "wg": (INTER, HIDDEN),
+           "wu": (INTER, HIDDEN), "wd": (HIDDEN, INTER)}
+
+
+def _record(dtype, params: dict | None = None):
+    """The block; weights are graph inputs, or Parameters (engine weights) when given."""
+    with recording("decoder_block") as net:
+        sym = "num_tokens"
+        h = Tensor("hidden", dtype, (sym, HIDDEN))
+        residual = Tensor("residual", dtype, (sym, HIDDEN))
+        cos = Tensor("cos", torch.float32, (sym, D // 2))
+        sin = Tensor("sin", torch.float32, (sym, D // 2))
+        k_cache = Tensor("k_cache", dtype, (NUM_BLOCKS, BLOCK, HK, D))
+        v_cache = Tensor("v_cache", dtype, (NUM_BLOCKS, BLOCK, HK, D))
+        slots = Tensor("slots", torch.int32, (sym,))
+        block_table = Tensor("block_table", torch.int32, ("batch", 4))
+        kv_lens = Tensor("kv_lens", torch.int32, ("batch",))
+        qsl = Tensor("query_start_loc", torch.int32, ("batch_plus_one",))
+        if params is None:
+            w = {name: Tensor(name, dtype, shape) for name, shape in WEIGHTS.items()}
+        else:
+            w = {name: Parameter(params[name], name=name) for name in WEIGHTS}
+
+        r = h + residual
+        x = _plain_rms(r, w["ln1"])
+        q = F.linear(x, w["wq"]).reshape(-1, HQ, D)  # (tokens, q_heads, head_dim)
+        k = F.linear(x, w["wk"]).reshape(-1, HK, D)  # (tokens, kv_heads, head_dim)
+        v = F.linear(x, w["wv"]).reshape(-1, HK, D)
+        q, k = F.rope(q, k, cos, sin)
+        k_cache, v_cache = F.reshape_and_cache(k, v, k_cache, v_cache, slots)
+        a = F.paged_attention(q, k_cache, v_cache, block_table, kv_lens, qsl)
+        r2 = F.linear(a.reshape(-1, HQ * D), w["wo"]) + r
+        x2 = _plain_rms(r2, w["ln2"])
+        g, u = F.linear(x2, w["wg"]), F.linear(x2, w["wu"])
+        out = F.linear(g * F.sigmoid(g) * u, w["wd"]) + r2
+        net.mark_output(out, "out")
+    return net
+
+
+def _inputs(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    lens = [4, 5]  # two sequences, packed: 9 tokens
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(dtype)
+
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen)[:4].to(torch.int32).reshape(2, 2)
+    slots = torch.cat([blocks[b, 0] * BLOCK + torch.arange(n) for b, n in enumerate(lens)])
+    pos = torch.cat([torch.arange(n) for n in lens]).float()
+    freqs = pos[:, None] / (10000 ** (torch.arange(0, D, 2).float() / D))[None, :]
+    return {
+        "hidden": rnd(T, HIDDEN), "residual": rnd(T, HIDDEN),
+        "cos": freqs.cos(), "sin": freqs.sin(),
+        "k_cache": torch.zeros(NUM_BLOCKS, BLOCK, HK, D, dtype=dtype),
+        "v_cache": torch.zeros(NUM_BLOCKS, BLOCK, HK, D, dtype=dtype),
+        "slots": slots.to(torch.int32), "block_table": torch.cat(
+            [blocks, torch.zeros(2, 2, dtype=torch.int32)], 1),
+        "kv_lens": torch.tensor(lens, dtype=torch.int32),
+        "query_start_loc": torch.tensor([0, 4, 9], dtype=torch.int32),
+        "ln1": 1 + rnd(HIDDEN, scale=0.1), "ln2": 1 + rnd(HIDDEN, scale=0.1),
+        "wq": rnd(HQ * D, HIDDEN, scale=0.1), "wk": rnd(HK * D, HIDDEN, scale=0.1),
+        "wv": rnd(HK * D, HIDDEN, scale=0.1), "wo": rnd(HIDDEN, HQ * D, scale=0.1),
+        "wg": rnd(INTER, HIDDEN, scale=0.1), "wu": rnd(INTER, HIDDEN, scale=0.1),
+        "wd": rnd(HIDDEN, INTER, scale=0.1),
+    }
+
+
+def _fresh(inputs):
+    return {k: v.clone() for k, v in inputs.items()}
+
+
+VIEWS = ("reshape", "split", "slice", "select", "permute", "transpose")
+
+
+def test_kernel_counts_with_and_without_passes():
+    net = _record(torch.float32)
+    fused = net.build_engine()
+    plain = net.build_engine(passes=False)
+    matches = {r.name: r.matches for r in fused.pass_records}
+    assert matches["RmsNormFusion"] == 2
+    assert matches["SiluFusion"] == 1
+    assert matches["AddRmsNorm"] == 2  # both norms follow a residual add
+    assert matches["SwiGLU"] == 1
+    assert matches["RopeCache"] == 1
+    assert matches["LinearEpilogue"] == 1  # the down projection absorbs the last residual add
+    assert matches["HorizontalLinear"] == 0  # weights are graph inputs here: nothing to concat
+    ops = [n.op for n in fused.net.nodes if n.op not in VIEWS]
+    assert ops == ["add_rms_norm", "linear", "linear", "linear", "rope_cache", "paged_attention",
+                   "linear", "add_rms_norm", "linear", "linear", "silu_mul", "linear_epilogue"]
+    assert fused.stats.kernel_count == 12
+    assert plain.stats.kernel_count == 31
+
+
+def test_weights_as_parameters_merge_qkv_and_gate_up():
+    inputs = _inputs(torch.float32)
+    params = {k: inputs.pop(k) for k in WEIGHTS}
+    net = _record(torch.float32, params)
+    fused = net.build_engine()
+    assert {r.name: r.matches for r in fused.pass_records}["HorizontalLinear"] == 2
+    ops = [n.op for n in fused.net.nodes if n.op not in VIEWS]
+    assert ops == ["add_rms_norm", "linear", "rope_cache", "paged_attention", "linear",
+                   "add_rms_norm", "linear", "swiglu", "linear_epilogue"]
+    assert fused.stats.kernel_count == 9
+    assert "wq+wk+wv" in [v.name for v in fused.weights]
+    got = fused.forward(_fresh(inputs))["out"]
+    want = net.build_engine(passes=False).forward(_fresh(inputs))["out"]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_fused_equals_unfused(dtype, tol):
+    # The fused references compose the unfused ones; only rounding order may differ in bf16.
+    net = _record(dtype)
+    inputs = _inputs(dtype)
+    a, b = _fresh(inputs), _fresh(inputs)
+    fused = net.build_engine().forward(a)["out"]
+    plain = net.build_engine(passes=False).forward(b)["out"]
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(a["k_cache"], b["k_cache"])
+
+
+def test_triton_backend_matches_reference_on_cpu_interpreter():
+    # fp32: Triton's fp32 dot may use TF32 on GPU, but under the interpreter it is exact fp32;
+    # 1e-4 covers summation-order differences at K <= 96.
+    net = _record(torch.float32)
+    inputs = _inputs(torch.float32)
+    ref_in, tri_in = _fresh(inputs), _fresh(inputs)
+    ref = net.build_engine(backend="reference").forward(ref_in)["out"]
+    engine = net.build_engine(backend="triton")
+    out = engine.forward(tri_in)["out"]
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tri_in["k_cache"], ref_in["k_cache"])
+    assert "triton.rope_cache" in str(engine) and "triton.paged_attention" in str(engine)
+    # A second call with fewer tokens reuses the plan and the compiled kernels.
+    plan = engine.plan
+    small = _inputs(torch.float32, seed=1)
+    for k in ("hidden", "residual", "cos", "sin", "slots"):
+        small[k] = small[k][:4]
+    small.update(kv_lens=torch.tensor([4], dtype=torch.int32),
+                 query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
+                 block_table=small["block_table"][:1])
+    ref_small = net.build_engine(backend="reference").forward(_fresh(small))["out"]
+    torch.testing.assert_close(engine.forward(_fresh(small))["out"], ref_small, rtol=1e-4,
+                               atol=1e-4)
+    assert engine.plan is plan and engine.stats.bindings == 2
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_is_bit_identical():
+    net = _record(torch.bfloat16)
+    inputs = {k: v.cuda() for k, v in _inputs(torch.bfloat16).items()}
+    engine = net.build_engine()
+    eager = engine.forward(_fresh(inputs))["out"]
+    engine.capture(_fresh(inputs))
+    assert engine.captured_signatures == 1
+    replayed = engine.forward(_fresh(inputs))["out"]
+    assert torch.equal(eager, replayed)
+    other = {k: v.cuda() for k, v in _inputs(torch.bfloat16, seed=3).items()}
+    want = net.build_engine().forward(_fresh(other))["out"]
+    assert torch.equal(engine.forward(_fresh(other))["out"], want)
