@@ -17,6 +17,7 @@ from tgraph.engine.binding import (
 from tgraph.engine.plan import LaunchPlan, is_pure_view, lower
 from tgraph.errors import CaptureError, EngineInputError, GraphError
 from tgraph.ir.network import Network
+from tgraph.ir.ops import get_op
 from tgraph.ir.value import Value, ValueKind
 from tgraph.passes.manager import PassManager, PassRecord
 from tgraph.passes.memory import MemoryPlan, alias_base, plan_memory
@@ -103,11 +104,22 @@ class Engine:
         self._graph_pool: Any = None
         self._output_clone = {name: alias_base(net, v).kind is not ValueKind.INTERMEDIATE
                               for name, v in net.outputs.items()}
+        self._mutated_inputs = self._find_mutated_inputs()
         self._segment_ranges = []
         first = 0
         for seg in self.segments:
             self._segment_ranges.append(range(first, first + len(seg.nodes)))
             first += len(seg.nodes)
+
+    def _find_mutated_inputs(self) -> set[str]:
+        """Inputs written in place (KV caches): a captured graph works on the caller's tensor."""
+        names = set()
+        for node in self.net.nodes:
+            for i in get_op(node.op).mutates:
+                base = alias_base(self.net, node.inputs[i])
+                if base.kind is ValueKind.INPUT:
+                    names.add(base.name)
+        return names
 
     # ---- plans --------------------------------------------------------------------------------
 
@@ -165,7 +177,15 @@ class Engine:
         capture = self._captures.get(key)
         if capture is not None:
             for name, t in tensors.items():
-                capture.inputs[name].copy_(t)
+                static = capture.inputs[name]
+                if name in self._mutated_inputs:
+                    if static.data_ptr() != t.data_ptr():
+                        raise EngineInputError(
+                            f"input {name!r} is updated in place by the captured graph, which "
+                            "was captured with another tensor; pass the same tensor (e.g. the "
+                            "same KV cache) or capture again")
+                else:
+                    static.copy_(t)
             slots = capture.slots
             for graph, steps in zip(capture.graphs, self._segment_ranges):
                 if graph is not None:
@@ -300,7 +320,8 @@ class Engine:
         binding = _Binding(shared.shapes, shared.memory, shared.attrs)
         arena = torch.empty(max(binding.memory.arena_bytes, 1), dtype=torch.uint8, device=device)
         self._buffers(plan, binding, device, arena=arena)
-        static = {name: t.clone() for name, t in tensors.items()}
+        static = {name: t if name in self._mutated_inputs else t.clone()
+                  for name, t in tensors.items()}
 
         # Warm up on a side stream: compiles kernels and creates library handles outside capture.
         stream = torch.cuda.Stream(device)

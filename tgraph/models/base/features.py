@@ -1,0 +1,64 @@
+"""Feature decorators: extra graphs stacked on a model by ``torch_to_graph``.
+
+A feature declares its name, whether it needs engines of its own, which features it stacks with,
+the symbolic inputs it adds, how it changes the recorded graph, and how it fills its inputs for
+a batch. The model builds one engine per combination of features actually used, lazily.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tgraph.errors import ConfigError
+from tgraph.nn.tensor import Tensor
+
+if TYPE_CHECKING:
+    from tgraph.models.base.batch import BatchMeta
+
+
+class FeatureDecorator:
+    """Base class of features. Subclasses set ``name`` and override the hooks they need.
+
+    Attributes:
+        name: unique name (also the key in ``LlmConfig.features`` for its settings).
+        needs_engine: the feature records graphs of its own (False: it only fills inputs).
+        compatible_with: names of features it may share a graph with.
+    """
+
+    name: str = ""
+    needs_engine: bool = True
+    compatible_with: frozenset[str] = frozenset()
+
+    def __init__(self, model: Any, settings: dict | None = None) -> None:
+        self.model = model
+        self.settings = dict(settings or {})
+
+    # ---- recording ----------------------------------------------------------------------------
+    def symbolic_inputs(self, is_prefill: bool) -> dict[str, Tensor]:
+        """Extra graph inputs, passed to ``forward`` as keyword arguments."""
+        return {}
+
+    def enter_graph(self, inputs: dict[str, Tensor]) -> None:
+        """Change the model before ``forward`` is recorded (e.g. wrap target linears)."""
+
+    def exit_graph(self) -> None:
+        """Undo :meth:`enter_graph`."""
+
+    # ---- running --------------------------------------------------------------------------------
+    def is_used(self, batch: "BatchMeta") -> bool:
+        """Whether this batch needs the feature's graph."""
+        return False
+
+    def fill_inputs(self, batch: "BatchMeta", inputs: dict[str, Any]) -> None:
+        """Add this feature's real inputs for ``batch``."""
+
+    def __repr__(self) -> str:
+        return f"<feature {self.name}>"
+
+
+def check_stackable(features: list[FeatureDecorator]) -> None:
+    """Refuse a combination in which two features do not declare each other compatible."""
+    for i, a in enumerate(features):
+        for b in features[i + 1:]:
+            if b.name not in a.compatible_with or a.name not in b.compatible_with:
+                raise ConfigError(f"features {a.name!r} and {b.name!r} cannot be used in one "
+                                  "batch: they do not declare each other compatible")

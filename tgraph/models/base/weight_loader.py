@@ -1,0 +1,602 @@
+"""Checkpoint readers: safetensors files on disk, or tensors already in memory.
+
+Both readers share one interface (:class:`WeightLoader`): look a tensor up by its checkpoint name,
+read it whole, read one tensor-parallel shard of it, or read several tensors packed into one weight
+(q/k/v, gate/up). Every read lands on the loader's device and dtype, and every name read is
+remembered so that a model can report the checkpoint tensors it never used.
+
+Only safetensors is read. Pickle checkpoints (``pytorch_model.bin``, ``*.pt``...) are refused and
+never opened, because unpickling a file runs whatever code it names.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tgraph.errors import WeightLoadError
+
+__all__ = [
+    "WeightLoader",
+    "SafetensorFileLoader",
+    "DictWeightLoader",
+    "load_weights",
+    "PICKLE_PATTERNS",
+]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+# Files that are (or usually are) pickles. They are only ever listed, never opened.
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+# Above this checkpoint size a progress bar is shown unless progress=False.
+PROGRESS_BYTES = 1 << 30
+
+Index = tuple[slice, ...]
+
+
+def _check_parallel(rank: Any, world_size: Any) -> None:
+    for label, value in (("rank", rank), ("world_size", world_size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"{label} must be an int, got {type(value).__name__} {value!r}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+
+
+def _check_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(
+            f"dtype must be a torch.dtype or None, got {type(dtype).__name__} {dtype!r}"
+        )
+    return dtype
+
+
+class WeightLoader(ABC):
+    """Common interface and bookkeeping of the checkpoint readers.
+
+    Subclasses provide the raw reads (:meth:`_names`, :meth:`_shape`, :meth:`_read`); this class
+    adds name resolution through aliases, tensor-parallel slicing, packing, device/dtype
+    placement, the used-name ledger and the progress bar.
+
+    Args:
+        device: where every returned tensor is placed.
+        dtype: dtype every floating-point tensor is converted to; ``None`` keeps the checkpoint's.
+            Integer and bool tensors always keep their dtype unless a call asks for one.
+        rank: this process's tensor-parallel rank, the default of :meth:`get_sharded`.
+        world_size: the tensor-parallel world size, the default of :meth:`get_sharded`.
+        progress: ``True`` / ``False`` force the progress bar on / off; ``None`` shows it when the
+            checkpoint is larger than 1 GB.
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        progress: bool | None = None,
+    ) -> None:
+        _check_parallel(rank, world_size)
+        self.device = torch.device(device)
+        self.dtype = _check_dtype(dtype)
+        self.rank = rank
+        self.world_size = world_size
+        self._progress_flag = progress
+        self._aliases: dict[str, str] = {}
+        self._used: set[str] = set()
+        self._read_names: set[str] = set()
+        self._bar: Any = None
+
+    # ----------------------------------------------------------------------------- subclass hooks
+    @abstractmethod
+    def _names(self) -> Sequence[str]:
+        """All tensor names in the checkpoint."""
+
+    @abstractmethod
+    def _shape(self, name: str) -> tuple[int, ...]:
+        """Shape of an existing checkpoint tensor."""
+
+    @abstractmethod
+    def _read(self, name: str, index: Index | None) -> torch.Tensor:
+        """Read an existing tensor (or the part of it selected by ``index``), in its own dtype."""
+
+    @abstractmethod
+    def _describe_sources(self) -> str:
+        """Where tensors were looked for, for error messages."""
+
+    @abstractmethod
+    def _total_bytes(self) -> int:
+        """Size of the checkpoint, used to decide whether a progress bar is worth showing."""
+
+    # ---------------------------------------------------------------------------------- lookups
+    def names(self) -> list[str]:
+        """Return the sorted names of every tensor in the checkpoint (aliases excluded)."""
+        return sorted(self._names())
+
+    def has(self, name: str) -> bool:
+        """Return whether ``name`` can be read, directly or through an :meth:`alias`."""
+        return self._lookup(name) is not None
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Return the full (unsharded) checkpoint shape of ``name``.
+
+        Raises:
+            WeightLoadError: the tensor is missing.
+        """
+        return self._shape(self._resolve(name))
+
+    def alias(self, name: str, target: str) -> None:
+        """Read ``target`` whenever ``name`` is asked for but absent from the checkpoint.
+
+        Used for tied weights, e.g. ``alias("lm_head.weight", "model.embed_tokens.weight")``: a
+        checkpoint that stores ``lm_head.weight`` still gets its own tensor.
+        """
+        if not isinstance(name, str) or not isinstance(target, str):
+            raise TypeError(f"alias names must be str, got {name!r} -> {target!r}")
+        self._aliases[name] = target
+
+    def expect_shape(self, name: str, shape: Sequence[int | None]) -> None:
+        """Check the checkpoint shape of ``name`` before reading it.
+
+        Args:
+            name: checkpoint tensor name (aliases allowed).
+            shape: expected full shape; ``None`` or ``-1`` in a position accepts any size.
+
+        Raises:
+            WeightLoadError: the tensor is missing or its shape differs.
+        """
+        actual = self.shape(name)
+        expected = tuple(shape)
+        ok = len(actual) == len(expected) and all(
+            e is None or e == -1 or e == a for a, e in zip(actual, expected)
+        )
+        if not ok:
+            raise WeightLoadError(
+                f"tensor '{name}' has shape {list(actual)} in the checkpoint, expected "
+                f"{['*' if e in (None, -1) else e for e in expected]} ({self._describe_sources()})"
+            )
+
+    # ------------------------------------------------------------------------------------ reads
+    def get_tensor(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Read a whole tensor onto the loader's device.
+
+        Args:
+            name: checkpoint tensor name (aliases allowed).
+            dtype: overrides the loader's dtype for this read (applied to any tensor).
+
+        Returns:
+            The tensor, contiguous, on ``self.device``.
+        """
+        real = self._resolve(name)
+        return self._finish(real, self._read(real, None), dtype)
+
+    def get_sharded(
+        self,
+        name: str,
+        dim: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Read one tensor-parallel shard: chunk ``rank`` of ``world_size`` equal chunks of ``dim``.
+
+        Only the shard's bytes are read from disk.
+
+        Args:
+            name: checkpoint tensor name (aliases allowed).
+            dim: dimension to split (negative counts from the end).
+            rank: shard index; defaults to the loader's rank.
+            world_size: number of shards; defaults to the loader's world size.
+            dtype: overrides the loader's dtype for this read.
+
+        Returns:
+            The shard, contiguous, on ``self.device``.
+
+        Raises:
+            WeightLoadError: the tensor is missing or ``dim`` is not divisible by ``world_size``.
+        """
+        real = self._resolve(name)
+        index = self._shard_index(name, real, dim, rank, world_size)
+        return self._finish(real, self._read(real, index), dtype)
+
+    def get_merged(
+        self,
+        names: Sequence[str],
+        dim: int = 0,
+        shard_dim: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """Read several checkpoint tensors and concatenate them into one packed weight.
+
+        With ``shard_dim`` each part is sharded first, so rank r's packed weight is the
+        concatenation of every part's r-th shard (what a column-parallel packed q/k/v or gate/up
+        linear needs on that rank).
+
+        Args:
+            names: checkpoint tensor names, in packing order.
+            dim: dimension to concatenate along.
+            shard_dim: dimension to shard each part along, or ``None`` to read parts whole.
+            dtype: overrides the loader's dtype for this read.
+
+        Returns:
+            The packed tensor on ``self.device``.
+        """
+        if isinstance(names, str) or not names:
+            raise TypeError(f"get_merged expects a non-empty sequence of names, got {names!r}")
+        if shard_dim is None:
+            parts = [self.get_tensor(n, dtype) for n in names]
+        else:
+            parts = [self.get_sharded(n, shard_dim, dtype=dtype) for n in names]
+        try:
+            return torch.cat(parts, dim=dim)
+        except (RuntimeError, IndexError) as exc:
+            shapes = ", ".join(f"{n}: {list(p.shape)}" for n, p in zip(names, parts))
+            raise WeightLoadError(
+                f"cannot concatenate tensors along dim {dim} into one packed weight ({shapes})"
+            ) from exc
+
+    # ------------------------------------------------------------------------------ used ledger
+    def mark_used(self, name: str) -> None:
+        """Record that ``name`` (or its alias target) is consumed, without reading it."""
+        self._used.add(self._resolve(name))
+
+    def unused_names(self) -> list[str]:
+        """Return the sorted checkpoint names never read nor marked used."""
+        return sorted(set(self._names()) - self._used)
+
+    # ------------------------------------------------------------------------------- life cycle
+    def close(self) -> None:
+        """Release open files and the progress bar. Reads after close reopen files lazily."""
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def __enter__(self) -> WeightLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -------------------------------------------------------------------------------- internals
+    def _lookup(self, name: str) -> str | None:
+        names = self._name_set()
+        if name in names:
+            return name
+        target = self._aliases.get(name)
+        if target is not None and target in names:
+            return target
+        return None
+
+    def _name_set(self) -> Collection[str]:
+        """The checkpoint names as a container with fast membership (subclasses override)."""
+        return set(self._names())
+
+    def _resolve(self, name: str) -> str:
+        if not isinstance(name, str):
+            raise TypeError(f"tensor name must be a str, got {type(name).__name__} {name!r}")
+        real = self._lookup(name)
+        if real is None:
+            raise WeightLoadError(self._missing_message(name))
+        return real
+
+    def _missing_message(self, name: str) -> str:
+        msg = f"tensor '{name}' not found in {self._describe_sources()}"
+        if name in self._aliases:
+            msg += f" (its alias target '{self._aliases[name]}' is missing too)"
+        close = difflib.get_close_matches(name, list(self._names()), n=5, cutoff=0.6)
+        if close:
+            msg += "; close matches: " + ", ".join(repr(c) for c in close)
+        return msg
+
+    def _shard_index(
+        self, name: str, real: str, dim: int, rank: int | None, world_size: int | None
+    ) -> Index:
+        rank = self.rank if rank is None else rank
+        world_size = self.world_size if world_size is None else world_size
+        _check_parallel(rank, world_size)
+        shape = self._shape(real)
+        if not isinstance(dim, int) or isinstance(dim, bool) or not -len(shape) <= dim < len(shape):
+            raise WeightLoadError(
+                f"cannot shard tensor '{name}' of shape {list(shape)} along dim {dim}: no such dim"
+            )
+        dim %= len(shape)
+        size = shape[dim]
+        if size % world_size:
+            raise WeightLoadError(
+                f"cannot shard tensor '{name}' of shape {list(shape)} along dim {dim}: "
+                f"size {size} is not divisible by world_size {world_size}"
+            )
+        chunk = size // world_size
+        index = [slice(None)] * len(shape)
+        index[dim] = slice(rank * chunk, (rank + 1) * chunk)
+        return tuple(index)
+
+    def _finish(self, real: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        dtype = _check_dtype(dtype)
+        if dtype is None and tensor.is_floating_point():
+            dtype = self.dtype
+        # One .to() call: torch copies to the device and converts there, so a bf16 checkpoint
+        # read into fp32 on GPU moves half the bytes over PCIe.
+        out = tensor.to(device=self.device, dtype=dtype or tensor.dtype).contiguous()
+        self._used.add(real)
+        self._tick(real)
+        return out
+
+    def _tick(self, real: str) -> None:
+        if real in self._read_names:
+            return
+        self._read_names.add(real)
+        if self._progress_flag is None:
+            # Decided once, on the first read: small checkpoints load too fast for a bar to help.
+            self._progress_flag = self._total_bytes() > PROGRESS_BYTES
+        if not self._progress_flag:
+            return
+        total = len(self._name_set())
+        if self._bar is None:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, desc="Loading weights", unit="tensor")
+        self._bar.update(1)
+        if len(self._read_names) >= total:
+            self._bar.close()
+            self._bar = None
+
+
+class SafetensorFileLoader(WeightLoader):
+    """Memory-mapped reader of a safetensors checkpoint directory.
+
+    Accepted layouts, in this order: ``model.safetensors.index.json`` (sharded checkpoint; its
+    ``weight_map`` says which file holds each tensor), a single ``model.safetensors``, or else every
+    ``*.safetensors`` file of the directory. A path to one ``.safetensors`` file also works. Each
+    file is opened once, on first use, and only the bytes of the tensors (or shards) read are
+    touched.
+
+    Args:
+        model_dir: checkpoint directory (or one ``.safetensors`` file).
+        device: where every returned tensor is placed.
+        dtype: dtype floating-point tensors are converted to; ``None`` keeps the checkpoint's.
+        rank: tensor-parallel rank, default of :meth:`get_sharded`.
+        world_size: tensor-parallel world size, default of :meth:`get_sharded`.
+        progress: force the progress bar on/off; ``None`` shows it above 1 GB.
+
+    Raises:
+        WeightLoadError: no safetensors checkpoint is found, the directory holds only pickle
+            checkpoints, the index is malformed or names files that do not exist.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | os.PathLike[str],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        progress: bool | None = None,
+    ) -> None:
+        super().__init__(device, dtype, rank, world_size, progress)
+        self.model_dir = Path(model_dir)
+        self._handles: dict[Path, Any] = {}
+        self._name_to_file: dict[str, Path] | None = None
+        self.files, index_map = self._discover(self.model_dir)
+        if index_map is not None:
+            self._name_to_file = index_map
+
+    # ------------------------------------------------------------------------------- discovery
+    @staticmethod
+    def _discover(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
+        if path.is_file():
+            if path.suffix != ".safetensors":
+                raise WeightLoadError(
+                    f"'{path}' is not a .safetensors file; tgraph loads safetensors only"
+                )
+            return [path], None
+        if not path.is_dir():
+            raise WeightLoadError(f"checkpoint directory '{path}' does not exist")
+        index = path / INDEX_FILE
+        if not index.is_file():
+            others = sorted(path.glob("*.safetensors.index.json"))
+            index = others[0] if len(others) == 1 else index
+        if index.is_file():
+            return SafetensorFileLoader._read_index(index)
+        if (path / SINGLE_FILE).is_file():
+            return [path / SINGLE_FILE], None
+        files = sorted(path.glob("*.safetensors"))
+        if files:
+            return files, None
+        pickles = sorted({p.name for pat in PICKLE_PATTERNS for p in path.glob(pat)})
+        if pickles:
+            raise WeightLoadError(_pickle_refusal(path, pickles))
+        raise WeightLoadError(
+            f"no safetensors checkpoint in '{path}': expected {INDEX_FILE}, {SINGLE_FILE} "
+            f"or *.safetensors files"
+        )
+
+    @staticmethod
+    def _read_index(index: Path) -> tuple[list[Path], dict[str, Path]]:
+        try:
+            data = json.loads(index.read_text())
+        except json.JSONDecodeError as exc:
+            raise WeightLoadError(
+                f"{index}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
+            ) from exc
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise WeightLoadError(
+                f"{index}: expected an object with a 'weight_map' of tensor name -> file name"
+            )
+        root = index.parent
+        name_to_file = {name: root / file for name, file in weight_map.items()}
+        files = sorted(set(name_to_file.values()))
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise WeightLoadError(f"{index} names files that do not exist: {', '.join(missing)}")
+        return files, name_to_file
+
+    def _map(self) -> dict[str, Path]:
+        if self._name_to_file is None:
+            # No index: the tensor names come from each file's header (opening a file reads only
+            # its header; tensor data stays memory-mapped until read).
+            mapping: dict[str, Path] = {}
+            for file in self.files:
+                for name in self._handle(file).keys():
+                    if name in mapping:
+                        raise WeightLoadError(
+                            f"tensor '{name}' is stored twice, in {mapping[name].name} and "
+                            f"{file.name}; add a {INDEX_FILE} saying which one to use"
+                        )
+                    mapping[name] = file
+            self._name_to_file = mapping
+        return self._name_to_file
+
+    def _handle(self, file: Path) -> Any:
+        handle = self._handles.get(file)
+        if handle is None:
+            from safetensors import safe_open
+
+            try:
+                handle = safe_open(str(file), framework="pt", device="cpu")
+            except Exception as exc:  # safetensors raises its own error type for bad headers
+                raise WeightLoadError(f"cannot open safetensors file '{file}': {exc}") from exc
+            self._handles[file] = handle
+        return handle
+
+    # ------------------------------------------------------------------------------ hook impls
+    def _names(self) -> Sequence[str]:
+        return list(self._map())
+
+    def _name_set(self) -> Collection[str]:
+        return self._map()
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._slice(name).get_shape())
+
+    def _slice(self, name: str) -> Any:
+        file = self._map()[name]
+        try:
+            return self._handle(file).get_slice(name)
+        except Exception as exc:
+            raise WeightLoadError(
+                f"tensor '{name}' is listed for {file.name} but cannot be read from it: {exc}"
+            ) from exc
+
+    def _read(self, name: str, index: Index | None) -> torch.Tensor:
+        if index is None:
+            return self._handle(self._map()[name]).get_tensor(name)
+        return self._slice(name)[index]
+
+    def _describe_sources(self) -> str:
+        return f"{self.model_dir} (files searched: {', '.join(f.name for f in self.files)})"
+
+    def _total_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.files)
+
+    def close(self) -> None:
+        """Close every open safetensors file and the progress bar."""
+        for handle in self._handles.values():
+            handle.__exit__(None, None, None)
+        self._handles.clear()
+        super().close()
+
+
+class DictWeightLoader(WeightLoader):
+    """The :class:`WeightLoader` interface over tensors already in memory.
+
+    Useful for tests and for weights produced by another library (e.g. an HF ``state_dict()``).
+    When a read needs neither a device move nor a dtype change, the returned tensor may share
+    memory with the given one.
+
+    Args:
+        weights: ``(name, tensor)`` pairs, or a mapping of name -> tensor.
+        device: where every returned tensor is placed.
+        dtype: dtype floating-point tensors are converted to; ``None`` keeps their own.
+        rank: tensor-parallel rank, default of :meth:`get_sharded`.
+        world_size: tensor-parallel world size, default of :meth:`get_sharded`.
+        progress: force the progress bar on/off; ``None`` shows it above 1 GB.
+    """
+
+    def __init__(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        progress: bool | None = None,
+    ) -> None:
+        super().__init__(device, dtype, rank, world_size, progress)
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        self._tensors: dict[str, torch.Tensor] = {}
+        for item in items:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise TypeError(f"expected (name, tensor) pairs, got {item!r:.80}")
+            name, tensor = item
+            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"expected (str, torch.Tensor) pairs, got ({type(name).__name__}, "
+                    f"{type(tensor).__name__}) for {name!r:.80}"
+                )
+            if name in self._tensors:
+                raise WeightLoadError(f"tensor '{name}' is given twice")
+            self._tensors[name] = tensor
+
+    def _names(self) -> Sequence[str]:
+        return list(self._tensors)
+
+    def _name_set(self) -> Collection[str]:
+        return self._tensors
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._tensors[name].shape)
+
+    def _read(self, name: str, index: Index | None) -> torch.Tensor:
+        tensor = self._tensors[name]
+        return tensor if index is None else tensor[index]
+
+    def _describe_sources(self) -> str:
+        return f"the in-memory weights ({len(self._tensors)} tensors)"
+
+    def _total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+
+def load_weights(
+    weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+) -> DictWeightLoader:
+    """Wrap in-memory ``(name, tensor)`` pairs in a :class:`DictWeightLoader`.
+
+    Args:
+        weights: ``(name, tensor)`` pairs or a mapping, e.g. ``hf_model.state_dict()``.
+        device: target device of every read.
+        dtype: target dtype of floating-point reads; ``None`` keeps each tensor's.
+        rank: tensor-parallel rank.
+        world_size: tensor-parallel world size.
+
+    Returns:
+        A loader with the same interface as :class:`SafetensorFileLoader`.
+    """
+    return DictWeightLoader(weights, device=device, dtype=dtype, rank=rank, world_size=world_size)
+
+
+def _pickle_refusal(path: Path, pickles: list[str]) -> str:
+    shown = ", ".join(pickles[:5]) + (", ..." if len(pickles) > 5 else "")
+    return (
+        f"'{path}' holds only pickle checkpoints ({shown}). tgraph reads safetensors only and "
+        f"never unpickles files, since unpickling can run arbitrary code. Convert the checkpoint "
+        f"once, in an environment you trust:\n\n"
+        f"    from transformers import AutoModelForCausalLM\n"
+        f"    model = AutoModelForCausalLM.from_pretrained({str(path)!r}, dtype=\"auto\")\n"
+        f"    model.save_pretrained({str(path)!r}, safe_serialization=True)\n"
+    )

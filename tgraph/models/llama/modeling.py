@@ -1,0 +1,60 @@
+"""Llama (and the causal-LM head every Llama-like family shares)."""
+from __future__ import annotations
+
+from typing import Any
+
+from tgraph.layers.linear import ColumnParallelLinear
+from tgraph.models.base.causal_lm import FlashCausalLM
+from tgraph.models.base.decoder import BaseModel
+from tgraph.models.base.graph import torch_to_graph
+from tgraph.models.base.llm_config import LlmConfig
+from tgraph.models.base.weight_loader import WeightLoader
+from tgraph.models.registry import register_model
+from tgraph.nn import functional as F
+from tgraph.nn.tensor import Tensor
+
+
+class LlamaModel(BaseModel):
+    """The Llama decoder stack: exactly the base layers."""
+
+
+class LlamaLikeForCausalLM(FlashCausalLM):
+    """Decoder stack + LM head; a family sets ``model_cls``."""
+
+    model_cls: type[BaseModel] = LlamaModel
+
+    def __init__(self, llm_config: LlmConfig, weight_loader: WeightLoader, **kwargs: Any) -> None:
+        super().__init__(llm_config, weight_loader, **kwargs)
+        config = llm_config.model
+        self.model = self.model_cls(config, weight_loader, prefix="model",
+                                    max_positions=llm_config.max_model_len)
+        if config.tie_word_embeddings or not weight_loader.has("lm_head.weight"):
+            if not config.tie_word_embeddings:
+                raise_missing_head(weight_loader)
+            weight_loader.alias("lm_head.weight", "model.embed_tokens.weight")
+        self.lm_head = ColumnParallelLinear(weight_loader, "lm_head", config.hidden_size,
+                                            config.vocab_size)
+
+    def forward(self, **kwargs: Any) -> dict[str, Tensor]:
+        hidden = self.model(**kwargs)
+        if kwargs.get("is_prefill", True):
+            hidden = F.gather(hidden, 0, kwargs["lm_head_indices"])  # (num_logits, hidden)
+        logits = self.lm_head(hidden)  # (rows, vocab / world_size)
+        if self.llm_config.world_size > 1:
+            from tgraph.nn import distributed
+
+            logits = distributed.all_gather(logits, dim=-1)  # (rows, vocab)
+        return {"model_out": logits}
+
+
+def raise_missing_head(loader: WeightLoader) -> None:
+    from tgraph.errors import WeightLoadError
+
+    raise WeightLoadError("the checkpoint has no 'lm_head.weight' and tie_word_embeddings is "
+                          "false; expected an untied LM head")
+
+
+@register_model(model_types=("llama",), architectures=("LlamaForCausalLM",))
+@torch_to_graph()
+class FlashLlamaForCausalLM(LlamaLikeForCausalLM):
+    """Llama 2/3 (rope scaling, tied or untied embeddings)."""

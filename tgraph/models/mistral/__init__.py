@@ -1,0 +1,3 @@
+from tgraph.models.mistral.modeling import FlashMistralForCausalLM
+
+__all__ = ["FlashMistralForCausalLM"]

@@ -1,0 +1,3 @@
+from tgraph.models.qwen3.modeling import FlashQwen3ForCausalLM
+
+__all__ = ["FlashQwen3ForCausalLM"]
