@@ -1,0 +1,455 @@
+"""Small-M linear (GEMV / split-K) and multi-LoRA shrink/expand kernels against torch references.
+
+CPU runs go through Triton's interpreter at small shapes; ``gpu`` tests use real LLM shapes.
+
+Tolerances (reference in fp64 from the same rounded inputs, so only accumulation order and the
+final rounding differ):
+- fp32: rtol 1e-5, atol 1e-5 on outputs of magnitude ~1 (fp32 accumulation over K <= 1100 terms
+  of size ~1/sqrt(K) drifts ~1e-6).
+- fp16: rtol/atol 2e-3 (one rounding of the output, unit roundoff 4.9e-4, plus fp16 residual).
+- bf16: rtol/atol 2e-2 (unit roundoff 3.9e-3; the LoRA path rounds twice: shrink output, then y).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tgraph.kernels.triton.gemv import choose_config, prefer_small_m, small_m_linear, workspace_size
+from tgraph.kernels.triton.lora import lora_expand, lora_segments, lora_shrink
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def _nan(shape, dtype, device=DEV) -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=dtype, device=device)
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> None:
+    tol = TOL[dtype]
+    torch.testing.assert_close(actual.double(), expected.double(), rtol=tol, atol=tol)
+
+
+def _linear_inputs(M, N, K, dtype, device=DEV):
+    x = torch.randn(M, K, device=device).to(dtype)
+    # 1/sqrt(K) keeps outputs ~1 so the relative tolerances are meaningful.
+    w = (torch.randn(N, K, device=device) / K**0.5).to(dtype)
+    b = torch.randn(N, device=device).to(dtype)
+    r = torch.randn(M, N, device=device).to(dtype)
+    return x, w, b, r
+
+
+def _linear_ref(x, w, b=None, r=None) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    if b is not None:
+        y = y + b.double()
+    if r is not None:
+        y = y + r.double()
+    return y
+
+
+# --------------------------------------------------------------------------- small_m_linear
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 2, 3, 5])
+@pytest.mark.parametrize("epilogue", ["none", "bias+residual"])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_small_m_linear_matches_reference(dtype, M, epilogue, split_k):
+    # N=37 is odd and not a multiple of BLOCK_N; K=1100 gives >= 3 K blocks for every M bucket so
+    # split_k=3 really splits (the last split is ragged).
+    N, K = 37, 1100
+    x, w, b, r = _linear_inputs(M, N, K, dtype)
+    bias = b if epilogue != "none" else None
+    res = r if epilogue == "bias+residual" else None
+    out = _nan((M, N), dtype)
+    small_m_linear(x, w, out, bias=bias, residual=res, split_k=split_k)
+    _close(out, _linear_ref(x, w, bias, res), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_writes_partials_and_agrees_with_no_split(dtype):
+    M, N, K = 2, 50, 1024
+    x, w, b, r = _linear_inputs(M, N, K, dtype)
+    full = _nan((M, N), dtype)
+    small_m_linear(x, w, full, bias=b, residual=r, split_k=1)
+    split = 4
+    ws = _nan((workspace_size(M, N, split) + 7,), torch.float32)  # larger than needed is fine
+    out = _nan((M, N), dtype)
+    small_m_linear(x, w, out, bias=b, residual=r, workspace=ws, split_k=split)
+    # Phase 1 wrote every partial, and the partials sum to the product without epilogue.
+    parts = ws[: split * M * N].view(split, M, N)
+    assert torch.isfinite(parts).all()
+    torch.testing.assert_close(parts.double().sum(0), _linear_ref(x, w), rtol=1e-5, atol=1e-5)
+    _close(out, full.double(), dtype)
+    _close(out, _linear_ref(x, w, b, r), dtype)
+
+
+def test_split_k_is_deterministic():
+    M, N, K = 3, 40, 1024
+    x, w, b, _ = _linear_inputs(M, N, K, torch.float32)
+    a, c = _nan((M, N), torch.float32), _nan((M, N), torch.float32)
+    small_m_linear(x, w, a, bias=b, split_k=4)
+    small_m_linear(x, w, c, bias=b, split_k=4)
+    assert torch.equal(a, c)
+
+
+@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_out_may_alias_residual(split_k, dtype):
+    M, N, K = 2, 33, 600
+    x, w, b, r = _linear_inputs(M, N, K, dtype)
+    expected = _linear_ref(x, w, b, r)
+    small_m_linear(x, w, r, bias=b, residual=r, split_k=split_k)
+    _close(r, expected, dtype)
+
+
+@pytest.mark.parametrize("M", [1, 4, 17, 40])
+def test_strided_rows_and_large_m(M):
+    # x and out are column slices of wider buffers; M=17 uses the 32-row bucket with padding,
+    # M=40 adds a second block along the M grid axis.
+    N, K = 24, 96
+    xb = torch.randn(M, K + 5, device=DEV)
+    x = xb[:, 3:3 + K]
+    w = torch.randn(N, K, device=DEV) / K**0.5
+    ob = _nan((M, N + 9), torch.float32)
+    out = ob[:, 4:4 + N]
+    small_m_linear(x, w, out)
+    _close(out, _linear_ref(x, w), torch.float32)
+    assert torch.isnan(ob[:, :4]).all() and torch.isnan(ob[:, 4 + N:]).all()
+
+
+def test_output_dtype_may_differ_from_input():
+    M, N, K = 2, 20, 64
+    x, w, b, r = _linear_inputs(M, N, K, torch.bfloat16)
+    out = _nan((M, N), torch.float32)
+    small_m_linear(x, w, out, bias=b, residual=r)
+    _close(out, _linear_ref(x, w, b, r), torch.float32)
+
+
+def test_small_m_linear_rejects_bad_input():
+    x, w, b, r = _linear_inputs(2, 16, 32, torch.float32)
+    out = torch.empty(2, 16, device=DEV)
+    with pytest.raises(ValueError, match="weight must have shape"):
+        small_m_linear(x, w[:, :16], out)
+    with pytest.raises(TypeError, match="must match x dtype"):
+        small_m_linear(x, w.half(), out)
+    with pytest.raises(TypeError, match="float16, bfloat16 or float32"):
+        small_m_linear(x.double(), w.double(), out.double())
+    with pytest.raises(ValueError, match="out must have shape"):
+        small_m_linear(x, w, out[:, :15])
+    with pytest.raises(ValueError, match="bias must have shape"):
+        small_m_linear(x, w, out, bias=b[:8])
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        small_m_linear(x, w.t().contiguous().t(), out)
+    # K=1024 has enough K blocks for split_k=2 to be honoured (and the workspace needed).
+    xl, wl, _, _ = _linear_inputs(2, 16, 1024, torch.float32)
+    with pytest.raises(ValueError, match="workspace must be contiguous with >= 64"):
+        small_m_linear(xl, wl, out, workspace=torch.empty(10, device=DEV), split_k=2)
+    with pytest.raises(TypeError, match="workspace must be float32"):
+        small_m_linear(xl, wl, out, workspace=torch.empty(64, device=DEV, dtype=torch.half), split_k=2)
+    with pytest.raises(ValueError, match="split_k must be a positive int"):
+        small_m_linear(x, w, out, split_k=0)
+    sq = torch.randn(16, 16, device=DEV)
+    with pytest.raises(ValueError, match="must not alias x"):
+        small_m_linear(sq, torch.randn(16, 16, device=DEV), sq)
+
+
+def test_choose_config_fills_the_gpu_and_splits_evenly():
+    for M in (1, 2, 4, 8, 16, 32):
+        for N, K in [(2048, 2048), (8192, 2048), (2048, 8192), (6144, 4096), (4096, 14336), (128256, 2048)]:
+            block_n, block_k, split_k, num_warps = choose_config(M, N, K, "cpu")
+            k_blocks = -(-K // block_k)
+            per_split = -(-k_blocks // split_k)
+            # Every split has the same number of K blocks, none empty.
+            assert (split_k - 1) * per_split < k_blocks <= split_k * per_split
+            assert block_k % 16 == 0 and block_n % 16 == 0 and num_warps in (1, 2, 4, 8)
+            n_programs = -(-N // block_n) * split_k
+            # Either the column blocks alone fill 132 SMs or split-K brings it to >= 1 wave.
+            assert n_programs >= 132 or split_k == k_blocks, (M, N, K, n_programs)
+    assert choose_config(1, 2048, 8192, "cpu")[2] > 1
+    assert choose_config(1, 128256, 2048, "cpu")[2] == 1
+
+
+def test_prefer_small_m():
+    assert prefer_small_m(1, 4096, 4096)
+    assert prefer_small_m(16, 4096, 4096)
+    assert not prefer_small_m(64, 4096, 4096)
+    assert not prefer_small_m(0, 4096, 4096)
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def lora_reference(x, a, b, slots, scaling) -> torch.Tensor:
+    """``scaling[s] * (x @ a[s].T) @ b[s].T`` per token in fp64; zero rows for slot 0."""
+    y = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64, device=x.device)
+    for s in range(1, a.shape[0]):
+        rows = slots == s
+        y[rows] = scaling[s].double() * ((x[rows].double() @ a[s].double().T) @ b[s].double().T)
+    return y
+
+
+def _adapters(L, R, K, N, ranks, dtype, device=DEV):
+    """Stacked adapters, slot l having rank ``ranks[l]`` zero-padded to R; slot 0 is garbage (unused)."""
+    a = torch.randn(L, R, K, device=device) / K**0.5
+    b = torch.randn(L, N, R, device=device) / R**0.5
+    for slot, rank in enumerate(ranks):
+        a[slot, rank:] = 0
+        b[slot, :, rank:] = 0
+    scaling = torch.rand(L, device=device) + 0.5
+    return a.to(dtype), b.to(dtype), scaling
+
+
+def _slots(values, device=DEV) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device=device)
+
+
+SLOT_PATTERNS = {
+    "single": [2],
+    "mixed": [0, 3, 1, 3, 0],
+    # 37 tokens, slot 2 unused (empty segment in the middle), slot 3 in two tiles of 16.
+    "many": [3] * 20 + [0, 1] * 6 + [3, 1, 0, 3, 3],
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", list(SLOT_PATTERNS))
+@pytest.mark.parametrize("out_fp32", [True, False])
+def test_lora_shrink(dtype, pattern, out_fp32):
+    K, R, L = 96, 16, 4
+    slots = _slots(SLOT_PATTERNS[pattern])
+    T = slots.numel()
+    a, _, _ = _adapters(L, R, K, 8, [16, 4, 8, 16], dtype)
+    x = torch.randn(T, K, device=DEV).to(dtype)
+    out = _nan((T, R), torch.float32 if out_fp32 else dtype)
+    lora_shrink(x, a, slots, out)
+    expected = torch.einsum("tk,trk->tr", x.double(), a.double()[slots.long()])
+    expected[slots == 0] = 0
+    _close(out, expected, dtype)
+    assert (out[slots == 0] == 0).all()
+
+
+def test_lora_shrink_applies_scaling():
+    K, R, L = 64, 16, 3
+    slots = _slots([1, 2, 0, 2])
+    a, _, scaling = _adapters(L, R, K, 8, [16, 16, 16], torch.float32)
+    x = torch.randn(4, K, device=DEV)
+    out = _nan((4, R), torch.float32)
+    lora_shrink(x, a, slots, out, scaling=scaling)
+    expected = torch.einsum("tk,trk->tr", x.double(), a.double()[slots.long()])
+    expected *= scaling.double()[slots.long()][:, None]
+    expected[slots == 0] = 0
+    _close(out, expected, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("pattern", ["mixed", "many"])
+def test_lora_shrink_then_expand_matches_reference(dtype, pattern):
+    K, N, R, L = 64, 40, 16, 4
+    slots = _slots(SLOT_PATTERNS[pattern])
+    T = slots.numel()
+    a, b, scaling = _adapters(L, R, K, N, [16, 4, 8, 16], dtype)
+    x = torch.randn(T, K, device=DEV).to(dtype)
+    y = torch.randn(T, N, device=DEV).to(dtype)
+    expected = y.double() + lora_reference(x, a, b, slots, scaling)
+    y_before = y.clone()
+    segments = lora_segments(slots, L)
+    t = _nan((T, R), torch.float32)
+    lora_shrink(x, a, slots, t, segments=segments)
+    lora_expand(t, b, slots, y, scaling, segments=segments)
+    _close(y, expected, dtype)
+    assert torch.equal(y[slots == 0], y_before[slots == 0])
+
+
+@pytest.mark.parametrize("T", [1, 150])
+def test_lora_prefill_tile_size(T):
+    # T=150 takes the BLOCK_T=64 path; adapters of different rank padded to 16.
+    K, N, R, L = 48, 72, 16, 5
+    slots = torch.randint(0, L, (T,), dtype=torch.int32, device=DEV)
+    a, b, scaling = _adapters(L, R, K, N, [16, 4, 8, 16, 4], torch.float32)
+    x = torch.randn(T, K, device=DEV)
+    y = torch.randn(T, N, device=DEV)
+    expected = y.double() + lora_reference(x, a, b, slots, scaling)
+    t = _nan((T, R), torch.float32)
+    lora_shrink(x, a, slots, t)
+    lora_expand(t, b, slots, y, scaling)
+    _close(y, expected, torch.float32)
+
+
+def test_lora_expand_column_offset_on_packed_qkv():
+    # One packed [T, q|k|v] output, each part with its own adapters, plus the same via views.
+    T, R, L = 7, 16, 3
+    parts = {"q": 32, "k": 16, "v": 16}
+    slots = _slots([1, 0, 2, 2, 1, 0, 1])
+    t = torch.randn(T, R, device=DEV)
+    scaling = torch.rand(L, device=DEV) + 0.5
+    bs = {name: torch.randn(L, n, R, device=DEV) for name, n in parts.items()}
+    total = sum(parts.values()) + 3  # 3 trailing columns no adapter touches
+    y = torch.randn(T, total, device=DEV)
+    y_view = y.clone()
+    expected = y.double().clone()
+    off = 0
+    for name, n in parts.items():
+        lora_expand(t, bs[name], slots, y, scaling, column_offset=off)
+        lora_expand(t, bs[name], slots, y_view[:, off:off + n], scaling)
+        delta = torch.einsum("tr,tnr->tn", t.double(), bs[name].double()[slots.long()])
+        delta *= scaling.double()[slots.long()][:, None]
+        delta[slots == 0] = 0
+        expected[:, off:off + n] += delta
+        off += n
+    _close(y, expected, torch.float32)
+    assert torch.equal(y, y_view)
+    assert torch.equal(y[:, off:].double(), expected[:, off:])
+
+
+def test_lora_skips_out_of_range_slots():
+    K, N, R, L = 32, 16, 16, 3
+    slots = _slots([1, 7, -1, 2])
+    a, b, scaling = _adapters(L, R, K, N, [16, 16, 16], torch.float32)
+    x = torch.randn(4, K, device=DEV)
+    y = torch.randn(4, N, device=DEV)
+    y_before = y.clone()
+    t = torch.zeros(4, R, device=DEV)
+    lora_shrink(x, a, slots, t)
+    lora_expand(t, b, slots, y, scaling)
+    assert torch.equal(y[1:3], y_before[1:3])
+    valid = slots.clone()
+    valid[1:3] = 0
+    _close(y, y_before.double() + lora_reference(x, a, b, valid, scaling), torch.float32)
+
+
+def test_lora_segments():
+    slots = _slots([3, 0, 1, 3, 1, 0])
+    order, seg = lora_segments(slots, 5)
+    assert order.tolist() == [1, 5, 2, 4, 0, 3]  # stable
+    assert seg.tolist() == [0, 2, 4, 4, 6, 6]
+    assert seg.dtype == torch.int32
+
+
+def test_lora_rejects_bad_input():
+    x = torch.randn(4, 32, device=DEV)
+    a = torch.randn(3, 16, 32, device=DEV)
+    b = torch.randn(3, 24, 16, device=DEV)
+    slots = _slots([0, 1, 2, 1])
+    scaling = torch.ones(3, device=DEV)
+    t = torch.empty(4, 16, device=DEV)
+    y = torch.empty(4, 24, device=DEV)
+    with pytest.raises(TypeError, match="token_slots must be an int32"):
+        lora_shrink(x, a, slots.float(), t)
+    with pytest.raises(ValueError, match="token_slots must have shape"):
+        lora_shrink(x, a, slots[:3], t)
+    with pytest.raises(ValueError, match="lora_a must be"):
+        lora_shrink(x, a[:, :, :16], slots, t)
+    with pytest.raises(TypeError, match="lora_a dtype"):
+        lora_shrink(x, a.half(), slots, t)
+    with pytest.raises(ValueError, match="out must have shape"):
+        lora_shrink(x, a, slots, t[:, :8])
+    with pytest.raises(ValueError, match="y must be"):
+        lora_expand(t, b, slots, y, scaling, column_offset=1)
+    with pytest.raises(TypeError, match="scaling must be a float32"):
+        lora_expand(t, b, slots, y, scaling.double())
+    with pytest.raises(ValueError, match="lora_b must be"):
+        lora_expand(t, b[:, :, :8], slots, y, scaling)
+    with pytest.raises(ValueError, match="segments must be"):
+        lora_expand(t, b, slots, y, scaling, segments=lora_segments(slots, 4))
+
+
+# --------------------------------------------------------------------------- GPU, real shapes
+
+LINEAR_SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192), (6144, 4096), (4096, 14336), (128256, 2048)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_gpu_small_m_linear_real_shapes(shape, M, dtype):
+    N, K = shape
+    x, w, b, r = _linear_inputs(M, N, K, dtype, "cuda")
+    out = _nan((M, N), dtype, "cuda")
+    small_m_linear(x, w, out, bias=b, residual=r)
+    _close(out, _linear_ref(x, w, b, r), dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture():
+    M, N, K, T, L, R = 4, 2048, 8192, 4, 4, 16
+    dtype = torch.bfloat16
+    x, w, b, r = _linear_inputs(M, N, K, dtype, "cuda")
+    split = choose_config(M, N, K, "cuda")[2]
+    assert split > 1  # the capture covers the two-phase path
+    ws = torch.empty(workspace_size(M, N, split), device="cuda")
+    out = torch.empty(M, N, dtype=dtype, device="cuda")
+    a, lb, scaling = _adapters(L, R, K, N, [16, 8, 16, 4], dtype, "cuda")
+    slots = _slots([1, 0, 3, 1], "cuda")
+    t = torch.empty(T, R, dtype=torch.float32, device="cuda")
+
+    def step():
+        small_m_linear(x, w, out, bias=b, workspace=ws)
+        order, seg = lora_segments(slots, L)
+        lora_shrink(x, a, slots, t, segments=(order, seg))
+        lora_expand(t, lb, slots, out, scaling, segments=(order, seg))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up compiles outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for _ in range(2):
+        x.copy_(torch.randn_like(x))
+        slots.copy_(torch.randint(0, L, (T,), dtype=torch.int32, device="cuda"))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = _linear_ref(x, w, b) + lora_reference(x, a, lb, slots, scaling)
+        _close(out, expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [16, 2048])
+def test_gpu_lora_real_shapes(T):
+    K, N, R, L = 4096, 4096, 16, 8
+    dtype = torch.bfloat16
+    a, b, scaling = _adapters(L, R, K, N, [16, 8, 16, 4, 16, 16, 8, 4], dtype, "cuda")
+    slots = torch.randint(0, L, (T,), dtype=torch.int32, device="cuda")
+    x = torch.randn(T, K, device="cuda").to(dtype)
+    y = torch.randn(T, N, device="cuda").to(dtype)
+    expected = y.double() + lora_reference(x, a, b, slots, scaling)
+    t = _nan((T, R), torch.float32, "cuda")
+    lora_shrink(x, a, slots, t)
+    lora_expand(t, b, slots, y, scaling)
+    _close(y, expected, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_small_m_linear_bandwidth():
+    """M=1 bf16 must reach 85% of device-copy bandwidth on weight bytes (weights >= 32 MB)."""
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src))
+    copy_bw = 2 * src.numel() / copy_ms * 1e-9  # TB/s, bytes read + written
+    del src, dst
+    report = []
+    for N, K in LINEAR_SHAPES:
+        x, w, _, _ = _linear_inputs(1, N, K, torch.bfloat16, "cuda")
+        out = torch.empty(1, N, dtype=torch.bfloat16, device="cuda")
+        split = choose_config(1, N, K, "cuda")[2]
+        ws = torch.empty(workspace_size(1, N, split), device="cuda")
+        small_m_linear(x, w, out, workspace=ws)
+        ms = triton.testing.do_bench_cudagraph(lambda: small_m_linear(x, w, out, workspace=ws))
+        ratio = w.numel() * w.element_size() / ms * 1e-9 / copy_bw
+        report.append((N, K, split, ms * 1e3, ratio))
+    print("\ncopy %.2f TB/s; (N, K, split_k, us, fraction of copy bw):" % copy_bw)
+    for row in report:
+        print("  %6d %6d %2d %8.2f %.2f" % row)
+    big = [row for row in report if row[0] * row[1] * 2 >= 32e6]
+    assert all(row[4] >= 0.85 for row in big), report
