@@ -1,28 +1,138 @@
-"""The ``tgraph`` command line."""
+"""The ``tgraph`` command line: ``generate``, ``check-model``, ``demo``."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 from typing import Sequence
+
+from tgraph.errors import TGraphError
+
+
+def _add_settings(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="settings JSON file (see configs/config.json)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a setting, e.g. --set llm.cache.num_blocks=512 (repeatable)")
+    p.add_argument("--graph", choices=("static", "eager"),
+                   help="static: fused engines + CUDA graphs; eager: reference ops one by one")
+    p.add_argument("--module-map", help="Python file that registers custom models")
+
+
+def _settings_overrides(args: argparse.Namespace) -> list[str]:
+    overrides = list(args.overrides)
+    if args.graph:
+        overrides.append(f"llm.engine.graph={args.graph}")
+    return overrides
+
+
+@contextlib.contextmanager
+def _profiled(path: str | None):
+    if not path:
+        yield
+        return
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        yield
+    prof.export_chrome_trace(path)
+    print(f"[profile written to {path}]", file=sys.stderr)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tgraph.runtime.llm import LLM
+    from tgraph.runtime.sampling_params import SamplingParams
+
+    llm = LLM(args.model, args.config, max_model_len=args.max_model_len,
+              module_map=args.module_map, settings_overrides=_settings_overrides(args))
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                            repetition_penalty=args.repetition_penalty, stop=args.stop or [],
+                            ignore_eos=args.ignore_eos)
+    prompts = args.prompt
+    chat = not args.no_chat
+    if args.dump_tensors:
+        llm.model._graph_state().dump_dir = args.dump_tensors
+    with _profiled(args.profile):
+        if len(prompts) == 1:
+            for event in llm.stream(prompts[0], params, chat=chat):
+                print(event.text, end="", flush=True)
+                if event.finished:
+                    out = event.output
+                    print(f"\n[{len(out.token_ids)} tokens, {out.tokens_per_second:.1f} tokens/s, "
+                          f"finish: {out.finish_reason}]", file=sys.stderr)
+        else:
+            outputs = llm.generate(prompts, params, chat=chat)
+            for prompt, out in zip(prompts, outputs):
+                print(f"### {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, "
+                      f"finish: {out.finish_reason}]")
+    return 0
+
+
+def _check_model(args: argparse.Namespace) -> int:
+    from tgraph.models.loading import check_model
+
+    report = check_model(args.model, module_map=args.module_map)
+    print(report)
+    return 0 if report.ok else 1
 
 
 def _demo(args: argparse.Namespace) -> int:
     from tgraph.demo import run_demo
 
-    return run_demo()
+    return run_demo(max_tokens=args.max_tokens, graph=args.graph, device=args.device)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tgraph", description="Graph-capture LLM inference.")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine builds etc.")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the built-in demo (no downloads, no GPU needed)")
+
+    gen = sub.add_parser("generate", help="generate text from a local Hugging Face model dir")
+    gen.add_argument("--model", required=True, help="directory with config.json + safetensors")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-model-len", type=int)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--repetition-penalty", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append", help="stop string (repeatable)")
+    gen.add_argument("--ignore-eos", action="store_true")
+    gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--profile", metavar="FILE", help="write a Chrome trace (torch profiler)")
+    gen.add_argument("--dump-tensors", metavar="DIR",
+                     help="write the named intermediates of the first step of each engine")
+    _add_settings(gen)
+    gen.set_defaults(func=_generate)
+
+    check = sub.add_parser("check-model", help="check a model dir's config and weights")
+    check.add_argument("model")
+    check.add_argument("--module-map", help="Python file that registers custom models")
+    check.set_defaults(func=_check_model)
+
+    demo = sub.add_parser("demo", help="HF vs tgraph on a built-in tiny model (no downloads)")
+    demo.add_argument("--max-tokens", type=int, default=24)
+    demo.add_argument("--graph", choices=("static", "eager"), default="static")
+    demo.add_argument("--device", default="cpu")
     demo.set_defaults(func=_demo)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    try:
+        return args.func(args)
+    except TGraphError as err:
+        print(f"tgraph: error: {err}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -223,6 +223,20 @@ class Scheduler:
             raise InvalidRequestError(
                 f"request {rid!r} was already scheduled once (status {request.status.value})"
             )
+        self.check_fits(request)
+        request.arrival = self._next_arrival
+        self._next_arrival += 1
+        self._requests[rid] = request
+        self.waiting.append(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise :class:`RequestTooLongError` if ``request`` could never be served.
+
+        Raises:
+            RequestTooLongError: prompt + max_tokens exceed ``max_model_len``, or the request
+                could not fit the whole KV cache even alone; the message names both numbers.
+        """
+        rid = request.request_id
         total = request.num_prompt_tokens + request.max_tokens
         if total > self.max_model_len:
             raise RequestTooLongError(
@@ -237,10 +251,6 @@ class Scheduler:
                 f"cache holds {cap} tokens ({self.allocator.num_blocks} blocks of "
                 f"{self.allocator.block_size})"
             )
-        request.arrival = self._next_arrival
-        self._next_arrival += 1
-        self._requests[rid] = request
-        self.waiting.append(request)
 
     def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Finish a request now and free its blocks.

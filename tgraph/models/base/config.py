@@ -446,7 +446,7 @@ def _build_llama(d: dict[str, Any]) -> ModelConfig:
 def _build_qwen2(d: dict[str, Any]) -> ModelConfig:
     fields = parse_common_fields(d, {"max_position_embeddings": 32768})
     # Qwen2 always has q/k/v biases; its config.json has no attention_bias key.
-    fields.update(attention_bias=False, sliding_window=_qwen_window(d))
+    fields.update(attention_bias=True, sliding_window=_qwen_window(d))
     return ModelConfig(**fields)
 
 

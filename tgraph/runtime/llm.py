@@ -1,0 +1,299 @@
+"""The Python API: ``LLM(model_dir).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+from tgraph.config import Settings, load_settings
+from tgraph.errors import ConfigError, RequestTooLongError
+from tgraph.models.loading import load_model
+from tgraph.runtime.block_manager import BlockAllocator
+from tgraph.runtime.kv_cache import bytes_per_block, plan_num_blocks
+from tgraph.runtime.request import FinishReason, Request
+from tgraph.runtime.runner import ModelRunner, synchronize
+from tgraph.runtime.sampler import TokenLogprobs
+from tgraph.runtime.sampling_params import SamplingParams
+from tgraph.runtime.scheduler import Scheduler
+from tgraph.runtime.stop import StopChecker
+
+logger = logging.getLogger("tgraph.runtime")
+
+# Short keyword overrides of LLM(...) -> settings keys.
+_SHORT_KEYS = {
+    "graph": "llm.engine.graph", "cuda_graph": "llm.engine.cuda_graph",
+    "batch_buckets": "llm.engine.batch_buckets", "disabled_passes": "llm.engine.disabled_passes",
+    "block_size": "llm.cache.block_size", "num_blocks": "llm.cache.num_blocks",
+    "gpu_memory_utilization": "llm.cache.gpu_memory_utilization",
+    "max_num_seqs": "llm.scheduler.max_num_seqs",
+    "max_num_batched_tokens": "llm.scheduler.max_num_batched_tokens",
+    "dtype": "llm.model.dtype", "device": "llm.model.device",
+}
+
+
+@dataclass
+class RequestOutput:
+    """The result of one prompt.
+
+    Attributes:
+        text: generated text (stop strings removed); ``""`` without a tokenizer.
+        token_ids: generated token ids.
+        finish_reason: ``"stop"`` or ``"length"``.
+        logprobs: per generated token, when asked for.
+        time_to_first_token, total_seconds: wall-clock timings from submission.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    time_to_first_token: float | None = None
+    total_seconds: float = 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.total_seconds if self.total_seconds > 0 else 0.0
+
+
+@dataclass
+class StreamEvent:
+    """New output of one request: text and tokens since the last event."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool
+    output: RequestOutput
+
+
+class LLM:
+    """Load a model directory and serve prompts with continuous batching.
+
+    Args:
+        model_dir: Hugging Face-style directory (config.json, safetensors, tokenizer files).
+        config: a settings JSON file, or :class:`Settings`.
+        tokenizer: a tokenizer to use instead of the one in ``model_dir``.
+        max_model_len: longest prompt + output (default: the model's, capped at 8192).
+        module_map: a Python file registering custom models.
+        overrides: settings by dotted key (``{"llm.engine.graph": "eager"}``) or by short name
+            (``graph``, ``cuda_graph``, ``num_blocks``, ``block_size``, ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``dtype``, ``device``, ``gpu_memory_utilization``...).
+    """
+
+    def __init__(self, model_dir: str | Path, config: str | Path | Settings | None = None, *,
+                 tokenizer: Any = None, max_model_len: int | None = None,
+                 module_map: str | Path | None = None, settings_overrides: Sequence[str] = (),
+                 **overrides: Any) -> None:
+        mapped = {}
+        for key, value in overrides.items():
+            if key not in _SHORT_KEYS and "." not in key:
+                raise ConfigError(f"unknown LLM option {key!r}; expected one of "
+                                  f"{sorted(_SHORT_KEYS)} or a dotted settings key")
+            mapped[_SHORT_KEYS.get(key, key)] = list(value) if isinstance(value, tuple) else value
+        if isinstance(config, Settings):
+            settings = load_settings(None, {**_flatten(config.to_dict()), **mapped})
+        else:
+            settings = load_settings(config, mapped)
+        if settings_overrides:
+            settings = load_settings(None, {**_flatten(settings.to_dict()),
+                                            **dict(_split(o) for o in settings_overrides)})
+        self.settings = settings
+        llm = settings.llm
+        start = time.perf_counter()
+        self.model = load_model(
+            model_dir, dtype=llm.model.dtype, device=llm.model.device, max_model_len=max_model_len,
+            module_map=module_map, graph=llm.engine.graph, cuda_graph=llm.engine.cuda_graph,
+            block_size=llm.cache.block_size, batch_buckets=tuple(llm.engine.batch_buckets),
+            disabled_passes=tuple(llm.engine.disabled_passes))
+        self.load_seconds = time.perf_counter() - start
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
+        c = self.model.llm_config
+        num_blocks = plan_num_blocks(self.model, llm.cache.num_blocks,
+                                     llm.cache.gpu_memory_utilization, llm.scheduler.max_num_seqs,
+                                     llm.scheduler.max_num_batched_tokens)
+        self.model.allocate_kv_cache(num_blocks)
+        self.num_blocks = num_blocks
+        self.capacity_tokens = num_blocks * c.block_size
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.2f GiB)", num_blocks,
+                    c.block_size, self.capacity_tokens,
+                    num_blocks * bytes_per_block(self.model) / 2**30)
+        self.captured_buckets = self.model.capture_decode_graphs(
+            [b for b in c.batch_buckets if b <= llm.scheduler.max_num_seqs])
+        self.scheduler = Scheduler(BlockAllocator(num_blocks, c.block_size),
+                                   max_num_seqs=llm.scheduler.max_num_seqs,
+                                   max_num_batched_tokens=llm.scheduler.max_num_batched_tokens,
+                                   max_model_len=c.max_model_len)
+        self.runner = ModelRunner(self.model)
+        self._ids = itertools.count()
+        self.eos_token_ids = _eos_ids(self.model.config, self.tokenizer)
+
+    # ---- prompts -------------------------------------------------------------------------------
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt (text is tokenised; with ``chat`` the chat template is used)."""
+        if not isinstance(prompt, str):
+            ids = list(prompt)
+            if not ids or not all(isinstance(t, int) for t in ids):
+                raise ValueError("a prompt is a string or a non-empty list of token ids")
+            return ids
+        if self.tokenizer is None:
+            raise ConfigError("this model directory has no tokenizer: pass token ids")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            return list(self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+                return_dict=False))
+        return list(self.tokenizer.encode(prompt))
+
+    # ---- generation ------------------------------------------------------------------------------
+    def stream(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+               params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+               chat: bool = False, lora: str | None = None) -> Iterator[StreamEvent]:
+        """Submit prompts and yield their output as it is produced (continuous batching).
+
+        A prompt that can never fit (longer than ``max_model_len`` or the whole cache) raises
+        :class:`RequestTooLongError` before anything runs; no other prompt is lost.
+        """
+        batch = [prompts] if isinstance(prompts, str) or (
+            prompts and isinstance(prompts[0], int)) else list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(batch)
+        if len(params) != len(batch):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(batch)} prompts")
+        states: dict[str, _State] = {}
+        for prompt, p in zip(batch, params):
+            if lora is not None and p.lora is None:
+                p = _with_lora(p, lora)
+            ids = self.encode(prompt, chat)
+            rid = f"req-{next(self._ids)}"
+            request = Request.from_sampling_params(rid, ids, p, self.eos_token_ids)
+            states[rid] = _State(request, RequestOutput(rid, ids), time.perf_counter(),
+                                 StopChecker(self.tokenizer, p, self.eos_token_ids, ids)
+                                 if self.tokenizer is not None else None)
+        # Reject what can never fit before anything is queued, so that no request is lost.
+        for state in states.values():
+            self.scheduler.check_fits(state.request)
+        for state in states.values():
+            self.scheduler.add_request(state.request)
+        try:
+            yield from self._loop(states)
+        finally:
+            for rid, state in states.items():
+                if not state.done:
+                    self.scheduler.abort_request(rid)
+
+    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 chat: bool = False, lora: str | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in order."""
+        outputs: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        for event in self.stream(prompts, params, chat=chat, lora=lora):
+            if event.request_id not in outputs:
+                order.append(event.request_id)
+            outputs[event.request_id] = event.output
+        return [outputs[r] for r in sorted(outputs, key=lambda r: int(r.split("-")[1]))]
+
+    def _loop(self, states: dict[str, "_State"]) -> Iterator[StreamEvent]:
+        device = self.model.llm_config.device
+        while any(not s.done for s in states.values()):
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
+            result = self.runner.execute(out)
+            synchronize(device)
+            now = time.perf_counter()
+            finished = {r.request_id for r in self.scheduler.update(out, result.tokens)}
+            for rid, token in result.tokens.items():
+                state = states.get(rid)
+                if state is None:
+                    continue
+                yield from self._emit(state, token, result.logprobs.get(rid), now,
+                                      rid in finished)
+
+    def _emit(self, state: "_State", token: int, logprobs: TokenLogprobs | None, now: float,
+              finished: bool) -> Iterator[StreamEvent]:
+        out = state.output
+        if out.time_to_first_token is None:
+            out.time_to_first_token = now - state.start
+        out.token_ids.append(token)
+        if state.request.sampling_params.logprobs is not None and logprobs is not None:
+            out.logprobs = (out.logprobs or []) + [logprobs]
+        text = ""
+        if state.stop is not None:
+            step = state.stop.step(token)
+            text = step.text
+            out.text += text
+            if step.finished and not finished:
+                # A stop string (seen only in text) ends the request here.
+                self.scheduler.finish_request(out.request_id, FinishReason.STOP)
+                finished = True
+            if step.finished:
+                out.finish_reason = step.finish_reason
+                if step.stop_reason is not None and isinstance(step.stop_reason, str):
+                    out.token_ids = out.token_ids[:]  # tokens are kept; text is truncated
+        if finished:
+            state.done = True
+            if out.finish_reason is None:
+                out.finish_reason = (state.request.finish_reason.value
+                                     if state.request.finish_reason else "stop")
+            out.total_seconds = now - state.start
+        else:
+            out.total_seconds = now - state.start
+        yield StreamEvent(out.request_id, text, [token], state.done, out)
+
+
+@dataclass
+class _State:
+    request: Request
+    output: RequestOutput
+    start: float
+    stop: StopChecker | None
+    done: bool = False
+
+
+def _with_lora(p: SamplingParams, lora: str) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(p, lora=lora)
+
+
+def _eos_ids(config, tokenizer) -> list[int]:
+    ids = list(config.eos_token_ids)
+    tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+    if tok_eos is not None and tok_eos not in ids:
+        ids.append(tok_eos)
+    return ids
+
+
+def _load_tokenizer(model_dir: str | Path):
+    path = Path(model_dir)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                             "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for k, v in tree.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, dict) and k != "rules":
+            flat.update(_flatten(v, key))
+        else:
+            flat[key] = v
+    return flat
+
+
+def _split(item: str) -> tuple[str, Any]:
+    from tgraph.config import _parse_override
+
+    return _parse_override(item)
+
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "RequestTooLongError"]
