@@ -84,6 +84,14 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
     return model
 
 
+def build_model(config: ModelConfig, loader, **llm_options: Any):
+    """Build the model of ``config`` from any weight loader (e.g. random weights in memory)."""
+    cls = resolve_model_class(config)
+    llm = LlmConfig(config, dtype=loader.dtype or torch.float32, device=loader.device,
+                    rank=loader.rank, world_size=loader.world_size, **llm_options)
+    return cls(llm, loader)
+
+
 @dataclass
 class CheckReport:
     """What ``tgraph check-model`` found."""

@@ -1,0 +1,574 @@
+"""Paged attention kernels (varlen prefill, split-KV decode) against a dense torch reference.
+
+The reference never touches the paged cache: each sequence's K/V are generated dense, the
+reference attends over those, and only the kernel reads them back through a shuffled block table.
+Cache slots and pages no sequence owns are filled with NaN, and outputs are poisoned with NaN, so
+reading a wrong page/slot or leaving an output element unwritten fails the comparison.
+
+Tolerances (kernel vs. fp64 reference fed the same rounded inputs):
+- fp32: 1e-5 abs/rel. Products are exact-ish fp32 (``input_precision="ieee"``); error is fp32
+  accumulation over <= a few hundred keys (~1e-7 relative), with margin.
+- fp16: 1e-2. The kernel rounds softmax probabilities to fp16 for the P@V MMA (2^-11 relative)
+  and rounds the output to fp16; outputs are O(1).
+- bf16: 2e-2. Same, with bf16's 2^-8 rounding of P and of the output.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tgraph.kernels.triton import attention_decode, attention_prefill
+from tgraph.kernels.triton.attention import (
+    choose_num_splits,
+    decode_workspace_numel,
+    paged_attention_decode,
+    paged_attention_prefill,
+)
+
+TOL = {
+    torch.float32: dict(atol=1e-5, rtol=1e-5),
+    torch.float16: dict(atol=1e-2, rtol=1e-2),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass
+class PagedCase:
+    """A batch of sequences with dense K/V (for the reference) and the same K/V paged."""
+
+    q: torch.Tensor  # [T, Hq, D] packed queries (the last q_len of each sequence)
+    k_dense: list[torch.Tensor]  # per seq [kv_len, Hk, D]
+    v_dense: list[torch.Tensor]
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
+    v_cache: torch.Tensor
+    block_table: torch.Tensor  # int32 [B, max_blocks]
+    kv_lens: torch.Tensor  # int32 [B]
+    query_start_loc: torch.Tensor  # int32 [B + 1]
+    q_lens: list[int]
+
+
+def make_case(
+    q_lens: list[int],
+    kv_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: str = DEVICE,
+    extra_blocks: int = 2,
+    strided: bool = False,
+) -> PagedCase:
+    """Random sequences scattered into shuffled pages; unowned pages and slots hold NaN.
+
+    Args:
+        strided: make q a view of a wider (qkv-like) buffer and the block table a column-strided
+            view, to check that kernels honour strides.
+    """
+    assert len(q_lens) == len(kv_lens) and all(q <= kv for q, kv in zip(q_lens, kv_lens))
+    pages = [math.ceil(n / block_size) for n in kv_lens]
+    max_blocks = max(max(pages), 1) + extra_blocks  # columns past a seq's pages are never read
+    num_blocks = sum(pages) + 1  # + one all-NaN page that unused table entries point at
+    nan_page = num_blocks - 1
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+    order = torch.randperm(num_blocks - 1).tolist()  # shuffled physical pages
+    table = torch.full((len(kv_lens), max_blocks), nan_page, dtype=torch.int32)
+    k_dense, v_dense = [], []
+    for b, n in enumerate(kv_lens):
+        ids = [order.pop() for _ in range(pages[b])]
+        table[b, : pages[b]] = torch.tensor(ids, dtype=torch.int32)
+        k = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
+        v = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
+        tok = torch.arange(n)
+        page_of_tok = torch.tensor(ids, dtype=torch.long)[tok // block_size] if n else tok
+        k_cache[page_of_tok.to(device), (tok % block_size).to(device)] = k
+        v_cache[page_of_tok.to(device), (tok % block_size).to(device)] = v
+        k_dense.append(k)
+        v_dense.append(v)
+    total_q = sum(q_lens)
+    if strided:
+        # q is the first Hq heads of a [T, Hq + 2 Hk, D] buffer, like a fused qkv projection.
+        buf = torch.randn(total_q, num_q_heads + 2 * num_kv_heads, head_dim, device=device)
+        q = buf.to(dtype)[:, :num_q_heads]
+        wide = torch.full((len(kv_lens), 2 * max_blocks), nan_page, dtype=torch.int32)
+        wide[:, ::2] = table
+        block_table = wide.to(device)[:, ::2]
+        assert not block_table.is_contiguous()
+    else:
+        q = torch.randn(total_q, num_q_heads, head_dim, device=device).to(dtype)
+        block_table = table.to(device)
+    qsl = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.tensor(q_lens).cumsum(0)
+    return PagedCase(
+        q=q, k_dense=k_dense, v_dense=v_dense, k_cache=k_cache, v_cache=v_cache,
+        block_table=block_table, kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        query_start_loc=qsl.to(device), q_lens=list(q_lens),
+    )
+
+
+def reference_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+    scale: float, window: int | None, compute_dtype: torch.dtype = torch.float64,
+) -> torch.Tensor:
+    """Dense causal (+ window) GQA attention of ``q [n, Hq, D]`` at ``positions`` over ``k, v``.
+
+    Query chunks of 512 bound the score memory at long contexts. Rows with no visible key
+    (kv_len 0) give zeros, the kernels' convention.
+    """
+    n, num_q_heads, _ = q.shape
+    group = num_q_heads // k.shape[1]
+    out = torch.zeros(q.shape, dtype=compute_dtype, device=q.device)
+    if k.shape[0] == 0:
+        return out
+    kk = k.to(compute_dtype).repeat_interleave(group, dim=1)
+    vv = v.to(compute_dtype).repeat_interleave(group, dim=1)
+    keys = torch.arange(k.shape[0], device=q.device)
+    for s in range(0, n, 512):
+        qc = q[s : s + 512].to(compute_dtype)
+        pos = positions[s : s + 512]
+        scores = torch.einsum("qhd,khd->hqk", qc, kk) * scale
+        visible = keys[None, :] <= pos[:, None]
+        if window is not None:
+            visible &= pos[:, None] - keys[None, :] < window
+        scores = scores.masked_fill(~visible, float("-inf"))
+        out[s : s + 512] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), vv)
+    return out
+
+
+def reference_prefill(
+    case: PagedCase, scale: float, window: int | None, compute_dtype=torch.float64
+) -> torch.Tensor:
+    outs = []
+    for b, q_len in enumerate(case.q_lens):
+        kv_len = case.k_dense[b].shape[0]
+        start = int(case.query_start_loc[b])
+        positions = torch.arange(kv_len - q_len, kv_len, device=case.q.device)
+        outs.append(reference_attention(
+            case.q[start : start + q_len], case.k_dense[b], case.v_dense[b], positions, scale,
+            window, compute_dtype,
+        ))
+    return torch.cat(outs)
+
+
+def decode_query(case: PagedCase, num_q_heads: int, head_dim: int) -> torch.Tensor:
+    batch = len(case.k_dense)
+    q = torch.randn(batch, num_q_heads, head_dim, device=case.k_cache.device)
+    return q.to(case.k_cache.dtype)
+
+
+def reference_decode(case: PagedCase, q: torch.Tensor, scale: float, window: int | None,
+                     compute_dtype=torch.float64):
+    outs = []
+    for b, k in enumerate(case.k_dense):
+        positions = torch.tensor([k.shape[0] - 1], device=q.device)
+        outs.append(reference_attention(q[b : b + 1], k, case.v_dense[b], positions, scale, window,
+                                        compute_dtype))
+    return torch.cat(outs)
+
+
+def run_prefill(case: PagedCase, scale=None, window=None, max_query_len=None) -> torch.Tensor:
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                            case.query_start_loc, scale, window, out, max_query_len)
+    return out
+
+
+def run_decode(case: PagedCase, q: torch.Tensor, scale=None, window=None, num_splits=None,
+               workspace=None) -> torch.Tensor:
+    out = torch.full_like(q, float("nan"))
+    paged_attention_decode(q, case.k_cache, case.v_cache, case.block_table, case.kv_lens, scale,
+                           window, out, num_splits, workspace=workspace)
+    return out
+
+
+def assert_close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    torch.testing.assert_close(out.double(), ref.double(), **TOL[out.dtype])
+
+
+# ----------------------------------------------------------------------------- prefill (CPU)
+
+# Ragged lengths: 1, exact multiples of the page and tile (16, 32), and lengths that are not.
+PLAIN_LENS = [37, 1, 16, 5]
+
+
+# (dtype, GQA ratio, sliding window): every ratio/window pair in fp32, the extremes in bf16 (the
+# interpreter is slow, and bf16 only changes the MMA operand rounding, not the indexing).
+COMBOS = [
+    *[(torch.float32, gqa, window) for gqa in (1, 2, 4) for window in (None, 6)],
+    (torch.bfloat16, 1, None),
+    (torch.bfloat16, 4, 6),
+]
+COMBO_IDS = [f"{str(d).split('.')[1]}-gqa{g}-w{w}" for d, g, w in COMBOS]
+
+
+@pytest.mark.parametrize("dtype, gqa, window", COMBOS, ids=COMBO_IDS)
+def test_prefill_matches_reference(dtype, gqa, window):
+    num_kv_heads, head_dim = 2, 16
+    case = make_case(PLAIN_LENS, PLAIN_LENS, num_kv_heads * gqa, num_kv_heads, head_dim, 16, dtype)
+    out = run_prefill(case, window=window)
+    assert_close(out, reference_prefill(case, 1 / math.sqrt(head_dim), window))
+
+
+# Window 31 = BLOCK_M + BLOCK_N - 1 on CPU: the smallest window for which a 16-row tile has keys
+# inside every row's window (the unmasked middle range), with its lower edge exactly on a tile.
+@pytest.mark.parametrize("window, block_size", [(None, 16), (20, 32), (31, 16)])
+def test_chunked_prefill_with_cached_context(window, block_size):
+    # (q_len, kv_len): chunk after context, a single-token chunk, chunk straddling pages, plain.
+    q_lens, kv_lens = [7, 1, 19, 37], [40, 23, 50, 37]
+    case = make_case(q_lens, kv_lens, 4, 2, 32, block_size, torch.float32)
+    out = run_prefill(case, scale=0.3, window=window)
+    assert_close(out, reference_prefill(case, 0.3, window))
+
+
+M16N32 = attention_prefill.PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize(
+    "config, window",
+    [(None, None), (None, 3), (M16N32, 3)],
+    ids=["default", "default-w3", "m16n32-w3"],
+)
+def test_prefill_every_chunk_alignment(config, window):
+    # Cached context of every length 0..33, so chunk starts hit every residue mod BLOCK_N: the
+    # unmasked/diagonal split of the key loop must be exact for all of them.
+    ctx = list(range(34))
+    q_lens = [1 + c % 3 for c in ctx]
+    kv_lens = [c + n for c, n in zip(ctx, q_lens)]
+    case = make_case(q_lens, kv_lens, 2, 1, 16, 16, torch.float32)
+    if config is None:
+        out = run_prefill(case, window=window)
+    else:
+        out = torch.full_like(case.q, float("nan"))
+        attention_prefill.launch_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
+                                         case.kv_lens, case.query_start_loc, 0.25, window, out,
+                                         config)
+    assert_close(out, reference_prefill(case, 0.25, window))
+
+
+def test_prefill_strided_q_and_block_table():
+    case = make_case([9, 30], [9, 41], 4, 1, 16, 16, torch.float32, strided=True)
+    out_buf = torch.full((case.q.shape[0], 6, 16), float("nan"))
+    out = out_buf[:, 1:5]  # row-strided output view
+    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                            case.query_start_loc, None, None, out)
+    assert_close(out, reference_prefill(case, 0.25, None))
+    # Heads outside the view must stay untouched.
+    assert torch.isnan(out_buf[:, 0]).all() and torch.isnan(out_buf[:, 5]).all()
+
+
+def test_prefill_single_sequence_and_empty_chunks():
+    # B = 1 (binary search of zero steps), then sequences with no queries in the batch.
+    case = make_case([13], [13], 2, 2, 16, 16, torch.float32)
+    assert_close(run_prefill(case), reference_prefill(case, 0.25, None))
+    case = make_case([0, 6, 0, 3], [0, 6, 9, 3], 2, 1, 16, 16, torch.float32)
+    assert_close(run_prefill(case), reference_prefill(case, 0.25, None))
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        attention_prefill.PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=1),
+        attention_prefill.PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=1),
+        attention_prefill.PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=1),
+    ],
+    ids=lambda c: f"m{c.block_m}n{c.block_n}",
+)
+@pytest.mark.parametrize("window", [None, 9])
+def test_prefill_tile_shapes(config, window):
+    # The GPU heuristics use tiles larger than pages and BLOCK_M != BLOCK_N; check those paths.
+    q_lens, kv_lens = [70, 3, 17], [70, 40, 17]
+    case = make_case(q_lens, kv_lens, 2, 1, 16, 16, torch.float32)
+    out = torch.full_like(case.q, float("nan"))
+    attention_prefill.launch_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
+                                     case.kv_lens, case.query_start_loc, 0.25, window, out, config)
+    assert_close(out, reference_prefill(case, 0.25, window))
+
+
+def test_prefill_config_heuristic():
+    big = attention_prefill.prefill_config(128, None, is_cuda=True)
+    assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (128, 64, 8, 3)
+    assert attention_prefill.prefill_config(128, 5, is_cuda=True).block_m == 16
+    assert attention_prefill.prefill_config(128, 33, is_cuda=True).block_m == 64
+    assert attention_prefill.prefill_config(64, 4096, is_cuda=True).block_m == 128
+    assert attention_prefill.prefill_config(256, None, is_cuda=True).block_n == 32
+
+
+# ------------------------------------------------------------------------------ decode (CPU)
+
+DECODE_LENS = [37, 1, 16, 5]
+
+
+# The same combinations, alternating the direct (1 split) and split + reduce paths.
+DECODE_COMBOS = [(*combo, 1 + 2 * (i % 2)) for i, combo in enumerate(COMBOS)]
+DECODE_IDS = [f"{name}-s{combo[-1]}" for name, combo in zip(COMBO_IDS, DECODE_COMBOS)]
+
+
+@pytest.mark.parametrize("dtype, gqa, window, num_splits", DECODE_COMBOS, ids=DECODE_IDS)
+def test_decode_matches_reference(dtype, gqa, window, num_splits):
+    num_kv_heads, head_dim = 2, 16
+    num_q_heads = num_kv_heads * gqa
+    case = make_case(DECODE_LENS, DECODE_LENS, num_q_heads, num_kv_heads, head_dim, 16, dtype)
+    q = decode_query(case, num_q_heads, head_dim)
+    out = run_decode(case, q, window=window, num_splits=num_splits)
+    assert_close(out, reference_decode(case, q, 1 / math.sqrt(head_dim), window))
+
+
+def test_decode_num_splits_agree():
+    lens = [90, 3]
+    case = make_case(lens, lens, 4, 2, 32, 32, torch.float32)
+    q = decode_query(case, 4, 32)
+    ref = reference_decode(case, q, 0.2, None)
+    outs = [run_decode(case, q, scale=0.2, num_splits=s) for s in (1, 2, 5)]
+    for out in outs:
+        assert_close(out, ref)
+        # Splits only reorder fp32 sums: agreement is far tighter than the reference tolerance.
+        torch.testing.assert_close(out, outs[0], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_decode_zero_length_sequence_writes_zeros(num_splits):
+    lens = [0, 21, 0]
+    case = make_case(lens, lens, 4, 2, 16, 16, torch.float32)
+    q = decode_query(case, 4, 16)
+    out = run_decode(case, q, num_splits=num_splits)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    assert_close(out, reference_decode(case, q, 0.25, None))
+
+
+def test_decode_strided_inputs_and_workspace():
+    lens = [25, 48]
+    case = make_case(lens, lens, 4, 2, 16, 16, torch.float32, strided=True)
+    q = torch.randn(2, 8, 16)[:, 2:6]  # row-strided query view
+    splits = 3
+    workspace = torch.full((decode_workspace_numel(2, 4, 16, splits),), float("nan"))
+    out = run_decode(case, q, num_splits=splits, workspace=workspace)
+    assert_close(out, reference_decode(case, q, 0.25, None))
+    assert not torch.isnan(workspace).any()  # every partial (incl. empty splits) was written
+    with pytest.raises(ValueError, match="workspace has"):
+        run_decode(case, q, num_splits=splits, workspace=workspace[:-1])
+
+
+def test_decode_default_splits_uses_heuristic():
+    lens = [600, 9]  # 600 keys -> max_context 640 -> up to 2 splits of >= 256 keys
+    case = make_case(lens, lens, 2, 1, 16, 32, torch.float32, extra_blocks=0)
+    assert choose_num_splits(2, 1, case.block_table.shape[1] * 32) == 2
+    q = decode_query(case, 2, 16)
+    assert_close(run_decode(case, q), reference_decode(case, q, 0.25, None))
+
+
+def test_choose_num_splits():
+    for batch in (1, 3, 32, 256):
+        for ctx in (16, 512, 4096, 131072):
+            s = choose_num_splits(batch, 8, ctx)
+            assert s >= 1 and s & (s - 1) == 0 and s <= attention_decode.MAX_SPLITS
+            assert s == 1 or ctx // s >= attention_decode.MIN_KEYS_PER_SPLIT
+    assert choose_num_splits(256, 8, 4096) == 1  # 2048 programs already fill 132 SMs
+    assert choose_num_splits(32, 8, 4096) >= 2  # 256 programs: < 2 per SM without splitting
+    assert choose_num_splits(1, 8, 8192) == 32  # batch 1: split long contexts widely
+    assert choose_num_splits(1, 8, 100) == 1  # too short to be worth splitting
+    assert choose_num_splits(1, 8, 8192, num_sms=16) < choose_num_splits(1, 8, 8192)
+
+
+# --------------------------------------------------------------------------- argument checks
+
+def _decode_args(**over):
+    case = make_case([5], [5], 4, 2, 16, 16, torch.float32)
+    args = dict(q=torch.randn(1, 4, 16), k_cache=case.k_cache, v_cache=case.v_cache,
+                block_table=case.block_table, kv_lens=case.kv_lens, scale=None,
+                sliding_window=None, out=torch.empty(1, 4, 16))
+    args.update(over)
+    return args
+
+
+@pytest.mark.parametrize(
+    "over, exc, match",
+    [
+        (dict(q=torch.randn(1, 4, 16, dtype=torch.float64)), TypeError, "float32, float16"),
+        (dict(out=torch.empty(1, 4, 16, dtype=torch.float16)), TypeError, "out must have q's"),
+        (dict(block_table=torch.zeros(1, 3, dtype=torch.int64)), TypeError, "must be int32"),
+        (dict(kv_lens=torch.tensor([5, 5], dtype=torch.int32)), ValueError, "kv_lens must be 1-D"),
+        (dict(q=torch.randn(1, 3, 16), out=torch.empty(1, 3, 16)), ValueError, "multiple of Hk"),
+        (dict(q=torch.randn(1, 4, 24), out=torch.empty(1, 4, 24)), ValueError, "head_dim"),
+        (dict(out=torch.empty(2, 4, 16)), ValueError, "out must have q's shape"),
+        (dict(q=torch.randn(1, 4, 32)[..., ::2]), ValueError, "contiguous in its last dim"),
+        (dict(sliding_window=0), ValueError, "sliding_window"),
+        (dict(num_splits=0), ValueError, "num_splits"),
+        (dict(scale=torch.tensor(0.5)), TypeError, "scale"),
+        (dict(q=torch.randn(1, 4, 16, device="meta")), ValueError, "is on cpu but q is on meta"),
+    ],
+)
+def test_decode_rejects_bad_input(over, exc, match):
+    with pytest.raises(exc, match=match):
+        paged_attention_decode(**_decode_args(**over))
+
+
+def test_prefill_rejects_bad_input():
+    case = make_case([5], [5], 4, 2, 16, 16, torch.float32)
+    out = torch.empty_like(case.q)
+    with pytest.raises(TypeError, match="query_start_loc must be int32"):
+        paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                                case.query_start_loc.long(), None, None, out)
+    with pytest.raises(ValueError, match=r"\[B \+ 1\]"):
+        paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                                case.query_start_loc[:1], None, None, out)
+    with pytest.raises(ValueError, match="v_cache shape"):
+        paged_attention_prefill(case.q, case.k_cache, case.v_cache[:, :8], case.block_table,
+                                case.kv_lens, case.query_start_loc, None, None, out)
+    with pytest.raises(ValueError, match="q must be 3-D"):
+        paged_attention_prefill(case.q[0], case.k_cache, case.v_cache, case.block_table,
+                                case.kv_lens, case.query_start_loc, None, None, out[0])
+
+
+# ------------------------------------------------------------------------ GPU, real shapes
+
+GPU_DTYPES = [torch.bfloat16, torch.float16]
+# (Hq, Hk): GQA ratios 1, 4, 8.
+GPU_HEADS = [(32, 32), (32, 8), (32, 4)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 1024])
+def test_gpu_prefill(dtype, heads, head_dim, block_size, window):
+    # Plain prefills up to 2048 plus a 512-token chunk after 7680 tokens of context (8192 total).
+    q_lens, kv_lens = [2048, 1, 333, 512], [2048, 1, 333, 8192]
+    case = make_case(q_lens, kv_lens, heads[0], heads[1], head_dim, block_size, dtype)
+    out = run_prefill(case, window=window, max_query_len=max(q_lens))
+    ref = reference_prefill(case, 1 / math.sqrt(head_dim), window, torch.float32)
+    assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("window", [None, 1024])
+def test_gpu_decode(dtype, heads, head_dim, block_size, window):
+    lens = [8192, 1, 4095, 0, 777, 2048, 16, 5000]
+    case = make_case(lens, lens, heads[0], heads[1], head_dim, block_size, dtype)
+    q = decode_query(case, heads[0], head_dim)
+    ref = reference_decode(case, q, 1 / math.sqrt(head_dim), window, torch.float32)
+    for splits in (None, 1, 8):
+        assert_close(run_decode(case, q, window=window, num_splits=splits), ref)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_and_replay():
+    """Both kernels capture into one CUDA graph, and decode follows new kv_lens on replay."""
+    dtype, hq, hk, d, bs = torch.bfloat16, 32, 8, 128, 16
+    lens = [300, 1000, 17]
+    case = make_case(lens, lens, hq, hk, d, bs, dtype, extra_blocks=64)
+    q_dec = decode_query(case, hq, d)
+    out_pre = torch.empty_like(case.q)
+    out_dec = torch.empty_like(q_dec)
+    kv_lens = case.kv_lens.clone()  # decode's; changed between replays
+
+    def step():
+        paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
+                                case.kv_lens, case.query_start_loc, None, None, out_pre)
+        paged_attention_decode(q_dec, case.k_cache, case.v_cache, case.block_table, kv_lens,
+                               None, None, out_dec)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    out_pre.fill_(float("nan"))
+    out_dec.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_close(out_pre, reference_prefill(case, d**-0.5, None, torch.float32))
+    assert_close(out_dec, reference_decode(case, q_dec, d**-0.5, None, torch.float32))
+
+    # Decode with shorter contexts on replay: same graph, new device values (prefill unchanged).
+    short = [n - 5 for n in lens]
+    kv_lens.copy_(torch.tensor(short, dtype=torch.int32))
+    out_dec.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    truncated = PagedCase(case.q, [k[:n] for k, n in zip(case.k_dense, short)],
+                          [v[:n] for v, n in zip(case.v_dense, short)], case.k_cache, case.v_cache,
+                          case.block_table, kv_lens, case.query_start_loc, case.q_lens)
+    assert_close(out_dec, reference_decode(truncated, q_dec, d**-0.5, None, torch.float32))
+
+
+def _cuda_time(fn, iters: int = 50) -> float:
+    """Median seconds per call of ``fn`` over ``iters`` runs (after warm-up)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_decode_bandwidth():
+    """Target: >= 70% of device copy bandwidth at B 32, ctx 4096, 32 q / 8 kv heads, D 128."""
+    batch, ctx, hq, hk, d, bs = 32, 4096, 32, 8, 128, 16
+    dtype = torch.bfloat16
+    pages = batch * ctx // bs
+    k_cache = torch.randn(pages, bs, hk, d, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(pages, device="cuda").to(torch.int32).view(batch, ctx // bs)
+    kv_lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, hq, d, dtype=dtype, device="cuda")
+    out = torch.empty_like(q)
+    t = _cuda_time(lambda: paged_attention_decode(q, k_cache, v_cache, block_table, kv_lens,
+                                                  None, None, out))
+    kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
+    src = torch.empty(kv_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t_copy = _cuda_time(lambda: dst.copy_(src))
+    copy_bw = 2 * src.numel() / t_copy  # bytes read + written
+    achieved = kv_bytes / t
+    print(f"decode {t * 1e6:.1f} us, {achieved / 1e12:.2f} TB/s, copy {copy_bw / 1e12:.2f} TB/s, "
+          f"{achieved / copy_bw:.0%}")
+    assert achieved >= 0.7 * copy_bw
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_prefill_flops():
+    """Target: >= 50% of bf16 matmul FLOP/s at 4 x 2048 tokens (causal FLOPs counted)."""
+    seqs, n, hq, hk, d, bs = 4, 2048, 32, 8, 128, 16
+    dtype = torch.bfloat16
+    pages = seqs * n // bs
+    k_cache = torch.randn(pages, bs, hk, d, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(pages, device="cuda").to(torch.int32).view(seqs, n // bs)
+    kv_lens = torch.full((seqs,), n, dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, (seqs + 1) * n, n, dtype=torch.int32, device="cuda")
+    q = torch.randn(seqs * n, hq, d, dtype=dtype, device="cuda")
+    out = torch.empty_like(q)
+    t = _cuda_time(lambda: paged_attention_prefill(q, k_cache, v_cache, block_table, kv_lens, qsl,
+                                                   None, None, out, n), iters=20)
+    flops = seqs * hq * 4 * d * (n * (n + 1) / 2)  # QK^T and PV over the causal half
+    a = torch.randn(8192, 8192, dtype=dtype, device="cuda")
+    t_mm = _cuda_time(lambda: a @ a, iters=20)
+    mm_flops = 2 * 8192**3 / t_mm
+    print(f"prefill {t * 1e3:.2f} ms, {flops / t / 1e12:.0f} TFLOP/s, "
+          f"matmul {mm_flops / 1e12:.0f} TFLOP/s, {flops / t / mm_flops:.0%}")
+    assert flops / t >= 0.5 * mm_flops
+

@@ -1,0 +1,294 @@
+"""Model benchmark: tgraph against Hugging Face eager and HF StaticCache + torch.compile on
+random-weight models of real shapes (presets), all in one run on one GPU.
+
+For each preset it measures decode-step latency at context 512 for several batch sizes (tgraph
+static with CUDA graphs, tgraph eager, HF eager, HF compiled), host overhead per tgraph step,
+prefill time (1 x 2048 and 8 x 512 tokens), and engine build time (cold and with a warm Triton
+cache, each in a fresh process). Ratios are printed against every peer and against the
+weight-read bound (weight bytes / measured copy bandwidth). Peers that fail or are not installed
+are reported as skipped, never faked.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from tgraph.bench.timing import Ceilings, measure_ceilings, time_ms
+from tgraph.models.base.batch import BatchMeta
+from tgraph.models.base.config import ModelConfig
+from tgraph.models.base.weight_loader import DictWeightLoader
+from tgraph.models.loading import build_model
+from tgraph.models.presets import PRESETS, preset
+
+CONTEXT = 512
+DEFAULT_PRESETS = ["llama-3.2-1b", "qwen2.5-0.5b", "llama-3-8b"]
+
+
+@dataclass
+class PresetResult:
+    preset: str
+    weight_bytes: int
+    bound_ms: float
+    decode_ms: dict = field(default_factory=dict)       # system -> {batch: ms}
+    host_overhead_ms: dict = field(default_factory=dict)  # batch -> ms of CPU per step
+    prefill_ms: dict = field(default_factory=dict)      # "1x2048" -> ms
+    build_s: dict = field(default_factory=dict)         # cold / warm -> s
+    skipped: dict = field(default_factory=dict)         # system -> reason
+
+
+def random_weights(hf_config: dict, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
+    """Random tensors under the checkpoint names and shapes of the HF model of ``hf_config``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(cfg)
+    weights = {}
+    gen = torch.Generator(device=device).manual_seed(0)
+    for name, t in meta.state_dict().items():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        w = torch.empty(t.shape, dtype=dtype, device=device)
+        if name.endswith("norm.weight"):
+            w.fill_(1.0)
+        else:
+            w.normal_(0, 0.02, generator=gen)
+        weights[name] = w
+    return weights
+
+
+def _decode_batch(b: int, ctx: int, block_size: int) -> BatchMeta:
+    per = -(-(ctx + 1) // block_size)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
+    return BatchMeta(input_ids=[1] * b, positions=[ctx - 1] * b,
+                     slots=[t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
+                            for t in tables],
+                     query_lens=[1] * b, kv_lens=[ctx] * b, block_tables=tables, is_prefill=False)
+
+
+def _prefill_batch(n: int, length: int, block_size: int) -> BatchMeta:
+    per = -(-length // block_size)
+    tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
+    ids, pos, slots = [], [], []
+    for t in tables:
+        ids += [1] * length
+        pos += list(range(length))
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(length)]
+    return BatchMeta(ids, pos, slots, [length] * n, [length] * n, tables, is_prefill=True)
+
+
+def bench_tgraph(model, batches: list[int], result: PresetResult, graph: str) -> None:
+    c = model.llm_config
+    max_b = max(batches)
+    blocks = max(max_b * (-(-(CONTEXT + 1) // c.block_size)),
+                 8 * (-(-512 // c.block_size)), -(-2048 // c.block_size)) + 1
+    model.allocate_kv_cache(blocks)
+    if graph == "static":
+        model.capture_decode_graphs(batches)
+    key = f"tgraph {graph}"
+    result.decode_ms[key] = {}
+    for b in batches:
+        meta = _decode_batch(b, CONTEXT, c.block_size)
+        iters = 30 if graph == "static" else 5
+        result.decode_ms[key][b] = time_ms(lambda: model.run(meta), warmup=3, iters=iters)
+        if graph == "static":
+            # Host overhead: CPU time of one step while the GPU is idle.
+            torch.cuda.synchronize()
+            host = []
+            for _ in range(20):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model.run(meta)
+                host.append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
+            result.host_overhead_ms[b] = sorted(host)[len(host) // 2]
+    if graph == "static":
+        for n, length in ((1, 2048), (8, 512)):
+            meta = _prefill_batch(n, length, c.block_size)
+            result.prefill_ms[f"{n}x{length}"] = time_ms(lambda: model.run(meta), warmup=2,
+                                                         iters=10)
+
+
+def bench_hf(hf_config: dict, weights: dict, batches: list[int], result: PresetResult,
+             compile_: bool) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    name = "HF compile" if compile_ else "HF eager"
+    cfg = AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    hf.load_state_dict(weights, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    hf = hf.eval()
+    for buf_name, buf in list(hf.named_buffers()):
+        if buf.device.type == "meta":  # rotary inv_freq: rebuild on the GPU
+            hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg, device="cuda")
+            break
+    result.decode_ms[name] = {}
+    with torch.no_grad():
+        for b in batches:
+            prompt = torch.randint(0, cfg.vocab_size, (b, CONTEXT - 1), device="cuda")
+            if not compile_:
+                out = hf(input_ids=prompt, use_cache=True)
+                cache = out.past_key_values
+                tok = torch.ones(b, 1, dtype=torch.long, device="cuda")
+                result.decode_ms[name][b] = time_ms(
+                    lambda: hf(input_ids=tok, past_key_values=cache, use_cache=True),
+                    warmup=2, iters=10)
+                del cache, out
+            else:
+                from transformers import StaticCache
+
+                cache = StaticCache(config=cfg, max_batch_size=b, max_cache_len=CONTEXT + 64,
+                                    device="cuda", dtype=torch.bfloat16)
+                pos = torch.arange(CONTEXT - 1, device="cuda")
+                hf(input_ids=prompt, past_key_values=cache, cache_position=pos, use_cache=True)
+                step = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+                tok = torch.ones(b, 1, dtype=torch.long, device="cuda")
+                cpos = torch.tensor([CONTEXT - 1], device="cuda")
+                t0 = time.perf_counter()
+                for _ in range(3):
+                    step(input_ids=tok, past_key_values=cache, cache_position=cpos,
+                         use_cache=True)
+                torch.cuda.synchronize()
+                result.build_s.setdefault("torch.compile warm-up", {})[b] = \
+                    time.perf_counter() - t0
+                result.decode_ms[name][b] = time_ms(
+                    lambda: step(input_ids=tok, past_key_values=cache, cache_position=cpos,
+                                 use_cache=True), warmup=3, iters=30)
+                del cache
+            gc.collect()
+            torch.cuda.empty_cache()
+    del hf
+
+
+def measure_build(preset_name: str) -> dict:
+    """Engine build + first decode step, in fresh processes: cold then warm Triton cache."""
+    out = {}
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        for label in ("cold", "warm"):
+            proc = subprocess.run([sys.executable, "-m", "tgraph.bench.build_time", preset_name],
+                                  env=env, capture_output=True, text=True, timeout=600)
+            if proc.returncode != 0:
+                out[label] = f"failed: {proc.stderr.strip().splitlines()[-1:]}"
+            else:
+                out[label] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings) -> PresetResult:
+    hf_config = preset(name)
+    config = ModelConfig.from_dict(hf_config)
+    weights = random_weights(hf_config, torch.bfloat16, "cuda")
+    nbytes = sum(w.numel() * w.element_size() for w in weights.values())
+    result = PresetResult(name, nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3)
+    for graph in ("static", "eager"):
+        loader = DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16)
+        model = build_model(config, loader, max_model_len=4096, graph=graph)
+        try:
+            bench_tgraph(model, batches if graph == "static" else batches[:1], result, graph)
+        except Exception as err:
+            result.skipped[f"tgraph {graph}"] = f"{type(err).__name__}: {err}"
+        del model, loader
+        gc.collect()
+        torch.cuda.empty_cache()
+    for peer, compile_ in (("hf", False), ("compile", True)):
+        if peer not in peers:
+            continue
+        try:
+            bench_hf(hf_config, weights, batches, result, compile_)
+        except Exception as err:
+            result.skipped["HF compile" if compile_ else "HF eager"] = \
+                f"{type(err).__name__}: {str(err)[:200]}"
+        gc.collect()
+        torch.cuda.empty_cache()
+    del weights
+    gc.collect()
+    torch.cuda.empty_cache()
+    result.build_s.update(measure_build(name))
+    return result
+
+
+def print_table(results: list[PresetResult]) -> None:
+    print(f"\n{'preset':<14} {'batch':>5} {'bound ms':>9} " + " ".join(
+        f"{s:>15}" for s in ("tgraph static", "tgraph eager", "HF eager", "HF compile"))
+        + f" {'x bound':>8} {'vs HF':>7} {'vs compile':>10} {'host ms':>8}")
+    for r in results:
+        for b in sorted(r.decode_ms.get("tgraph static", {}) or {1: None}):
+            row = [r.decode_ms.get(s, {}).get(b) for s in
+                   ("tgraph static", "tgraph eager", "HF eager", "HF compile")]
+            ours = row[0]
+            cells = " ".join(f"{v:15.3f}" if v else f"{'-':>15}" for v in row)
+            bound = r.bound_ms if b == 1 else r.bound_ms  # weights are read once per step
+            ratio = f"{ours / bound:8.2f}" if ours else f"{'-':>8}"
+            vs_hf = f"{row[2] / ours:6.1f}x" if ours and row[2] else f"{'-':>7}"
+            vs_c = f"{row[3] / ours:9.2f}x" if ours and row[3] else f"{'-':>10}"
+            host = r.host_overhead_ms.get(b)
+            print(f"{r.preset:<14} {b:>5} {bound:9.3f} {cells} {ratio} {vs_hf} {vs_c} "
+                  f"{host if host is None else round(host, 3)!s:>8}")
+        if r.prefill_ms:
+            print(f"  prefill: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.prefill_ms.items()))
+        print(f"  build: {r.build_s}")
+        for k, v in r.skipped.items():
+            print(f"  skipped {k}: {v}")
+
+
+def draw_chart(results: list[PresetResult], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart")
+        return
+    systems = ["tgraph static", "HF compile", "HF eager"]
+    labels, values = [], {s: [] for s in systems}
+    for r in results:
+        for b in sorted(r.decode_ms.get("tgraph static", {})):
+            labels.append(f"{r.preset}\nbatch {b}")
+            for s in systems:
+                values[s].append(r.decode_ms.get(s, {}).get(b) or 0)
+    fig, ax = plt.subplots(figsize=(max(8, len(labels) * 1.2), 4.5))
+    width = 0.8 / len(systems)
+    for i, s in enumerate(systems):
+        ax.bar([x + i * width for x in range(len(labels))], values[s], width, label=s)
+    ax.set_xticks([x + width for x in range(len(labels))], labels, fontsize=7)
+    ax.set_ylabel("decode step (ms), context 512")
+    ax.set_yscale("log")
+    ax.legend()
+    ax.set_title(f"tgraph vs peers on {torch.cuda.get_device_name()}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_model_bench(presets: list[str] | None, batches: list[int], peers: list[str],
+                    json_path: str | None, png_path: str | None) -> list[PresetResult]:
+    ceil = measure_ceilings()
+    print(f"device: {torch.cuda.get_device_name()}  copy {ceil.copy_gbps:.0f} GB/s  "
+          f"bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s  torch {torch.__version__}")
+    results = []
+    for name in presets or DEFAULT_PRESETS:
+        if name not in PRESETS:
+            print(f"unknown preset {name}; known: {list(PRESETS)}")
+            continue
+        results.append(run_preset(name, batches, peers, ceil))
+        print_table(results[-1:])
+    print_table(results)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "ceilings": asdict(ceil),
+                       "results": [asdict(r) for r in results]}, f, indent=1, default=str)
+    if png_path:
+        draw_chart(results, png_path)
+    return results

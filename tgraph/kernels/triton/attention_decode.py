@@ -1,0 +1,290 @@
+"""Split-KV ("flash decoding") paged attention for one query per sequence: kernels and launch.
+
+Public entry point with input checks:
+:func:`tgraph.kernels.triton.attention.paged_attention_decode`.
+
+Pass 1 runs one program per (sequence, kv head, split). It loads the query rows of *all* query
+heads of that kv head's group at once (padded to 16 rows, the minimum ``tl.dot`` M), so every KV
+tile is read from memory once per group rather than once per query head: at batch sizes where
+decode is bandwidth-bound this is what sets the speed. Each program covers a contiguous slice of
+the sequence's visible keys and writes the partial softmax state (running max ``m``, sum ``l``,
+unnormalised ``acc``) to an fp32 workspace. Pass 2 (one program per (sequence, query head))
+rescales and sums the partials. With a single split, pass 1 normalises and writes ``out``
+directly and pass 2 is skipped.
+
+Splits divide the keys the sequence actually has (read from ``kv_lens`` on the device), so the
+grid depends only on the batch shape and ``num_splits`` and stays CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tgraph.kernels.triton.attention_prefill import LOG2E, interpreter_needs_upcast
+
+# A split should stream at least this many keys, otherwise the cost of writing and reducing its
+# partial state (D + 2 floats per query head) stops being small next to its reads.
+MIN_KEYS_PER_SPLIT = 256
+# Upper bound on splits: beyond it the reduce pass and the workspace grow with no gain.
+MAX_SPLITS = 64
+# Enough resident programs per SM to hide memory latency with a few loads in flight each.
+PROGRAMS_PER_SM = 4
+# SM count assumed off CUDA (H100 SXM); only the heuristic uses it.
+DEFAULT_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Tile sizes and launch options of the decode kernels."""
+
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(head_dim: int, is_cuda: bool) -> DecodeConfig:
+    """Pick tile sizes by heuristic.
+
+    Args:
+        head_dim: D, a power of two in [16, 256].
+        is_cuda: False under the Triton interpreter, where small tiles keep tests multi-tile.
+
+    Returns:
+        The launch configuration.
+    """
+    if not is_cuda:
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+    if head_dim <= 128:
+        return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
+    return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS
+) -> int:
+    """Number of KV splits for split-KV decode, from shapes only (so CUDA graphs can capture it).
+
+    Splitting pays when ``batch * num_kv_heads`` programs are too few to keep every SM streaming
+    KV; it costs a workspace round trip and a second launch. The heuristic aims at
+    at least ``PROGRAMS_PER_SM * num_sms`` programs (rounded up to a power of two: a bounded set of
+    compiled reduce kernels) while keeping at least ``MIN_KEYS_PER_SPLIT`` keys per split of the
+    longest possible context.
+
+    Args:
+        batch: number of sequences B.
+        num_kv_heads: KV heads Hk.
+        max_context: the longest context the block table can address,
+            ``block_table.shape[1] * block_size``.
+        num_sms: streaming multiprocessors of the device (132 is used off CUDA).
+
+    Returns:
+        num_splits in [1, MAX_SPLITS].
+    """
+    programs = max(1, batch * num_kv_heads)
+    wanted = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * num_sms, programs))
+    most = max(1, min(MAX_SPLITS, max_context // MIN_KEYS_PER_SPLIT))
+    # Round the cap down to a power of two so the minimum of keys per split still holds.
+    return min(wanted, 1 << (most.bit_length() - 1))
+
+
+def workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
+    """fp32 elements of the decode workspace: ``acc [B, Hq, S, D]`` then ``(m, l) [B, Hq, S, 2]``.
+
+    Args:
+        batch, num_q_heads, head_dim, num_splits: B, Hq, D and S of the call.
+
+    Returns:
+        The element count (0 when ``num_splits == 1``: that path needs no workspace).
+    """
+    if num_splits == 1:
+        return 0
+    return batch * num_q_heads * num_splits * (head_dim + 2)
+
+
+@triton.jit(do_not_specialize=["window", "num_splits"])
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, o_ptr, ws_acc_ptr, ws_ml_ptr, bt_ptr, kv_lens_ptr,
+    qk_scale, window, num_splits, num_q_heads,
+    stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_oh, stride_btb, stride_btn,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_len = tl.load(kv_lens_ptr + seq)
+    # The one query sits at p = kv_len - 1 and sees keys j with p - j < window.
+    if HAS_WINDOW:
+        key_lo = tl.maximum(kv_len - window, 0)
+    else:
+        key_lo = kv_len * 0
+    # Whole tiles per split so every split but the last streams full tiles.
+    per_split = tl.cdiv(tl.cdiv(kv_len - key_lo, num_splits), BLOCK_N) * BLOCK_N
+    start = key_lo + split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, HEAD_DIM)
+    head_mask = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    # Padding rows read zeros: their scores are 0, finite, and they are never stored.
+    q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)
+
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_mask = offs_n < end
+        page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=kv_mask, other=0)
+        page = page.to(tl.int64)
+        slot = offs_n % BLOCK_SIZE
+        k_ptrs = k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
+        k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)
+        if UPCAST:  # see interpreter_needs_upcast (inline: a jit call per tile is slow there)
+            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        qk = qk * qk_scale
+        qk = tl.where(kv_mask[None, :], qk, float("-inf"))
+        # start_n < end, so each tile has a visible key and m_new is finite.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+        v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
+        acc = acc * alpha[:, None]
+        if UPCAST:
+            p_mma = p.to(v.dtype).to(tl.float32)  # keep the MMA operand's rounding
+            acc = tl.dot(p_mma, v.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if DIRECT_OUT:
+        # An empty sequence (kv_len 0, e.g. batch padding) leaves l = 0, acc = 0: write zeros.
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_ptrs = o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
+    else:
+        # Workspace rows are (seq, q head, split); m stays -inf for an empty split.
+        rows = (seq.to(tl.int64) * num_q_heads + heads) * num_splits + split
+        acc_ptrs = ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(acc_ptrs, acc, mask=head_mask[:, None])
+        tl.store(ws_ml_ptr + rows * 2, m_i, mask=head_mask)
+        tl.store(ws_ml_ptr + rows * 2 + 1, l_i, mask=head_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def _decode_reduce_kernel(
+    ws_acc_ptr, ws_ml_ptr, o_ptr, num_splits, num_q_heads, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_mask = offs_s < num_splits
+    rows = (seq.to(tl.int64) * num_q_heads + head) * num_splits + offs_s
+
+    m = tl.load(ws_ml_ptr + rows * 2, mask=split_mask, other=float("-inf"))
+    l = tl.load(ws_ml_ptr + rows * 2 + 1, mask=split_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    # All splits empty (kv_len 0): weights become exp2(-inf) = 0 and the output 0, not NaN.
+    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.math.exp2(m - m_max)
+    denom = tl.sum(w * l, 0)
+    acc = tl.load(
+        ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=split_mask[:, None], other=0.0
+    )
+    out = tl.sum(acc * w[:, None], 0) / tl.where(denom == 0.0, 1.0, denom)
+    o_ptrs = o_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d
+    tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty))
+
+
+def launch_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+    num_splits: int,
+    workspace: torch.Tensor | None,
+    config: DecodeConfig,
+) -> None:
+    """Launch split-KV decode on arguments already checked by the public wrapper.
+
+    Args:
+        q, k_cache, v_cache, block_table, kv_lens, scale, sliding_window, out: see
+            :func:`tgraph.kernels.triton.attention.paged_attention_decode`.
+        num_splits: KV splits per (sequence, kv head), >= 1.
+        workspace: fp32, at least :func:`workspace_numel` elements, or None to allocate one.
+        config: tile sizes from :func:`decode_config`.
+    """
+    batch, num_q_heads, head_dim = q.shape
+    if batch == 0:
+        return
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    direct = num_splits == 1
+    if direct:
+        ws_acc = ws_ml = out  # unused by the kernel on this path
+    else:
+        numel = workspace_numel(batch, num_q_heads, head_dim, num_splits)
+        if workspace is None:
+            workspace = torch.empty(numel, dtype=torch.float32, device=q.device)
+        n_acc = batch * num_q_heads * num_splits * head_dim
+        ws_acc = workspace[:n_acc]
+        ws_ml = workspace[n_acc:numel]
+    _decode_split_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, ws_acc, ws_ml, block_table, kv_lens,
+        scale * LOG2E, sliding_window if sliding_window is not None else 0, num_splits,
+        num_q_heads,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        out.stride(0), out.stride(1), block_table.stride(0), block_table.stride(1),
+        GROUP=group,
+        BLOCK_H=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=config.block_n,
+        HAS_WINDOW=sliding_window is not None,
+        DIRECT_OUT=direct,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        UPCAST=interpreter_needs_upcast(q.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    if not direct:
+        _decode_reduce_kernel[(batch, num_q_heads)](
+            ws_acc, ws_ml, out, num_splits, num_q_heads, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_S=triton.next_power_of_2(num_splits),
+            num_warps=4 if head_dim >= 128 else 2,
+        )
+
+
+__all__ = [
+    "DEFAULT_NUM_SMS",
+    "DecodeConfig",
+    "choose_num_splits",
+    "decode_config",
+    "launch_decode",
+    "workspace_numel",
+]

@@ -1,0 +1,43 @@
+"""Known model shapes by name (data, used by the benchmark and tests): Hugging Face config
+fields of real checkpoints, for random-weight models of the real size."""
+from __future__ import annotations
+
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=151936,
+        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=True, torch_dtype="bfloat16",
+        use_sliding_window=False),
+    "llama-3-8b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "qwen3-0.6b": dict(
+        model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936,
+        hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=40960, tie_word_embeddings=True, torch_dtype="bfloat16"),
+    "mistral-7b": dict(
+        model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32000,
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
+        max_position_embeddings=32768, tie_word_embeddings=False, torch_dtype="bfloat16"),
+}
+
+
+def preset(name: str) -> dict[str, Any]:
+    try:
+        return dict(PRESETS[name])
+    except KeyError:
+        raise KeyError(f"unknown preset {name!r}; known: {', '.join(PRESETS)}") from None
