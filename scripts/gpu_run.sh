@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Run on the GPU machine (no installs there): GPU tests and benchmarks, logs into $OUT.
+# Usage: bash scripts/gpu_run.sh [tests PATHS...] | [kernels] | [models PRESETS...] | [cmd ...]
+set -uo pipefail
+export PYTHONPATH=. PYTHONUNBUFFERED=1
+OUT=${OUT:-out}; mkdir -p "$OUT"
+what=${1:-tests}; shift || true
+case "$what" in
+  tests)   python3 -m pytest -q -m gpu -rf --timeout=300 "${@:-tests}" 2>&1 | tee "$OUT/gpu_tests.log" | tail -60 ;;
+  kernels) python3 -m tgraph.bench kernels --json "$OUT/kernels.json" 2>&1 | tee "$OUT/kernels.log" ;;
+  models)  python3 -m tgraph.bench models --json "$OUT/models.json" --png "$OUT/models.png" --presets "$@" 2>&1 | tee "$OUT/models.log" ;;
+  *)       "$what" "$@" ;;
+esac
