@@ -8,11 +8,13 @@ from tgraph.passes.cleanup import CommonSubexpressionElimination, DeadCodeElimin
 from tgraph.passes.linear_fusion import HorizontalLinear, LinearEpilogue
 from tgraph.passes.manager import Pass
 from tgraph.passes.norm_fusion import AddRmsNorm
+from tgraph.passes.pointwise_fusion import PointwiseFusion
 
 
 def default_pipeline() -> list[Pass]:
     """Clean up; recognise primitives spelled in plain ops; merge linears that share an input
-    (so that SwiGLU sees packed gate|up); hand-written fusions; clean up."""
+    (so that SwiGLU sees packed gate|up); hand-written fusions; generated pointwise kernels for
+    what is left; clean up."""
     return [
         NoOpRemoval(),
         CommonSubexpressionElimination(),
@@ -23,6 +25,7 @@ def default_pipeline() -> list[Pass]:
         SwiGLU(),
         RopeCache(),
         LinearEpilogue(),
+        PointwiseFusion(),
         DeadCodeElimination(),
     ]
 

@@ -17,7 +17,7 @@ node has exactly the semantics of the nodes it replaced.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
@@ -65,10 +65,13 @@ class PointwiseProgram:
 
     instrs: tuple[Instr, ...]
     outputs: tuple[int, ...]
+    _hash: int = field(init=False, repr=False, compare=False, default=0)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "instrs", tuple(tuple(i) for i in self.instrs))
         object.__setattr__(self, "outputs", tuple(self.outputs))
+        # Hashed on every kernel launch (the compile-cache key): compute it once.
+        object.__setattr__(self, "_hash", hash((self.instrs, self.outputs)))
         for i, ins in enumerate(self.instrs):
             self._check(i, ins)
         if not self.outputs:
@@ -118,6 +121,9 @@ class PointwiseProgram:
             raise ValueError(f"PointwiseProgram: instruction {i} is malformed: {ins!r}; expected "
                              "('load', k), ('const', c), ('op', name, args, attrs), "
                              "('reduce', kind, a) or ('cast', a, dtype)")
+
+    def __hash__(self) -> int:
+        return self._hash
 
     # ---- queries ---------------------------------------------------------------------------
 

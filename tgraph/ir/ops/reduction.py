@@ -48,7 +48,8 @@ register_op("amax", infer=_amax_infer, category=OpCategory.REDUCTION,
 def _softmax_infer(x: Meta, *, dim: int = -1) -> Meta:
     require(not x.scalar, "softmax needs a tensor")
     require_float(x, "softmax input")
-    normalize_dim(dim, x.shape and len(x.shape))
+    if x.shape is not None:  # with an unknown rank, the dim is checked at bind time
+        normalize_dim(dim, len(x.shape))
     return Meta(x.shape, x.dtype)
 
 

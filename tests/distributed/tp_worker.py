@@ -1,0 +1,173 @@
+"""One rank of the tensor-parallel tests; ``test_tp_gloo.py`` launches it with torchrun.
+
+Each rank joins the process group from torchrun's environment, checks the cross-rank config
+check (equal configs pass, a value that differs on rank 1 is refused on every rank), runs the
+collective ops on rank-dependent inputs, then loads every given checkpoint at this rank's shard
+in each graph mode and generates (prefill + greedy decode steps). Results go to
+``OUT/rank<r>.safetensors`` (tensors) and ``OUT/rank<r>.json`` (messages) for the test to compare
+with a single-process run. With ``--fail-at-end``, rank 1 then raises while rank 0 waits in a
+collective: the launch must end with the error, not hang.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+# Three sequences of different lengths, so that prefill packs them and decode runs a batch.
+PROMPTS: tuple[tuple[int, ...], ...] = ((1, 5, 9, 22, 7), (3, 4), (8,) * 10 + (9,))
+BLOCK_SIZE = 16  # LlmConfig's default
+BLOCKS_PER_SEQ = 2
+MAX_MODEL_LEN = 64
+DELIBERATE_FAILURE = "deliberate failure on rank 1"
+
+
+def generate(model: Any, steps: int, forced: Sequence[Sequence[int]] | None = None
+             ) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Prefill :data:`PROMPTS`, then run ``steps`` decode steps.
+
+    Args:
+        model: a loaded model whose KV cache holds ``len(PROMPTS) * BLOCKS_PER_SEQ`` blocks.
+        steps: decode steps after the prefill.
+        forced: ``forced[i][s]`` is the token sequence ``s`` receives after step ``i`` instead
+            of its greedy choice (teacher forcing, so that low-precision runs cannot diverge).
+    Returns:
+        the logits of every step (``[num_seqs, vocab]``, fp32 on CPU, prefill first) and the
+        tokens fed after each step (``[steps + 1][num_seqs]``; the last row is never fed).
+    """
+    from tgraph.models.base.batch import BatchMeta
+
+    tables = [[s * BLOCKS_PER_SEQ + b for b in range(BLOCKS_PER_SEQ)] for s in range(len(PROMPTS))]
+
+    def slot(s: int, pos: int) -> int:
+        return tables[s][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE
+
+    seqs = [list(p) for p in PROMPTS]
+    meta = BatchMeta(
+        input_ids=[t for p in seqs for t in p],
+        positions=[i for p in seqs for i in range(len(p))],
+        slots=[slot(s, i) for s, p in enumerate(seqs) for i in range(len(p))],
+        query_lens=[len(p) for p in seqs], kv_lens=[len(p) for p in seqs], block_tables=tables)
+    all_logits, fed = [], []
+    for step in range(steps + 1):
+        logits = model.run(meta).float().cpu()
+        all_logits.append(logits)
+        nxt = [int(t) for t in torch.argmax(logits, dim=-1)]
+        if forced is not None:
+            nxt = list(forced[step])
+        fed.append(nxt)
+        if step == steps:
+            break
+        for s, t in enumerate(nxt):
+            seqs[s].append(t)
+        meta = BatchMeta(input_ids=nxt, positions=[len(p) - 1 for p in seqs],
+                         slots=[slot(s, len(p) - 1) for s, p in enumerate(seqs)],
+                         query_lens=[1] * len(seqs), kv_lens=[len(p) for p in seqs],
+                         block_tables=tables, is_prefill=False)
+    return all_logits, fed
+
+
+def collective_inputs(rank: int) -> torch.Tensor:
+    """A rank-dependent input, so a wrong sum or a wrong order shows."""
+    return torch.arange(12, dtype=torch.float32).reshape(3, 4) * (rank + 1) + 100 * rank
+
+
+def _run_collectives(rank: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """all_reduce and all_gather (dims 0 and -1) through a built engine, outputs poisoned."""
+    from tgraph.nn import distributed
+    from tgraph.nn.network_manager import new_network, recording
+    from tgraph.nn.tensor import Tensor
+
+    with recording(new_network("collectives")) as net:
+        x = Tensor("x", torch.float32, ("rows", 4))
+        # The + 0.0 puts a pointwise op before the collective, so passes run around it.
+        net.mark_output(distributed.all_reduce(x + 0.0), "reduced")
+        net.mark_output(distributed.all_gather(x, dim=-1), "gathered_last")
+        net.mark_output(distributed.all_gather(x, dim=0), "gathered_first")
+    engine = net.build_engine()
+    x_real = collective_inputs(rank).to(device)
+    ws = distributed.world_size()
+    outs = {"reduced": torch.full((3, 4), float("nan"), device=device),
+            "gathered_last": torch.full((3, 4 * ws), float("nan"), device=device),
+            "gathered_first": torch.full((3 * ws, 4), float("nan"), device=device)}
+    engine.forward({"x": x_real}, outs)
+    return {f"collective_{k}": v.cpu() for k, v in outs.items()}
+
+
+def _config_checks(rank: int) -> dict[str, Any]:
+    from tgraph.errors import ConfigError
+    from tgraph.nn import distributed
+
+    report: dict[str, Any] = {}
+    distributed.check_same_config({"max_model_len": MAX_MODEL_LEN, "rank": rank})
+    report["same_config_ok"] = True
+    try:
+        distributed.check_same_config({"max_model_len": MAX_MODEL_LEN if rank == 0 else 32,
+                                       "block_size": BLOCK_SIZE}, what="test config")
+        report["mismatch_error"] = None
+    except ConfigError as err:
+        report["mismatch_error"] = str(err)
+    return report
+
+
+@record  # torchrun's failure summary then carries the rank's traceback
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", required=True, type=Path)
+    parser.add_argument("--model", action="append", default=[],
+                        help="NAME=DIR of a checkpoint (repeatable)")
+    parser.add_argument("--modes", default="static,eager")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--forced", type=Path, help="JSON {name: tokens[step][seq]}")
+    parser.add_argument("--capture", action="store_true", help="capture decode CUDA graphs")
+    parser.add_argument("--timeout", type=float, default=60.0)
+    parser.add_argument("--fail-at-end", action="store_true")
+    args = parser.parse_args(argv)
+
+    from safetensors.torch import save_file
+
+    from tgraph.models import load_model
+    from tgraph.nn import distributed
+
+    info = distributed.init_process_group(
+        args.device, timeout=datetime.timedelta(seconds=args.timeout))
+    r, ws = info.rank, info.world_size
+    report = {"rank": r, "world_size": ws, "backend": info.backend, **_config_checks(r)}
+    tensors = _run_collectives(r, info.device)
+    forced = json.loads(args.forced.read_text()) if args.forced else {}
+    for spec in args.model:
+        name, model_dir = spec.split("=", 1)
+        for mode in args.modes.split(","):
+            model = load_model(model_dir, graph=mode, rank=r, world_size=ws, device=args.device,
+                               dtype=args.dtype, max_model_len=MAX_MODEL_LEN, progress=False)
+            distributed.check_same_config(model.llm_config)
+            model.allocate_kv_cache(len(PROMPTS) * BLOCKS_PER_SEQ)
+            if args.capture:
+                model.capture_decode_graphs([1, 2, 4])
+            logits, fed = generate(model, args.steps, forced.get(name))
+            for i, step_logits in enumerate(logits):
+                tensors[f"{name}_{mode}_step{i}"] = step_logits.contiguous()
+            tensors[f"{name}_{mode}_tokens"] = torch.tensor(fed, dtype=torch.int64)
+    args.out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(args.out / f"rank{r}.safetensors"))
+    (args.out / f"rank{r}.json").write_text(json.dumps(report))
+    # Both ranks have written their results before either may fail.
+    torch.distributed.barrier()
+    if args.fail_at_end:
+        if r == 1:
+            raise RuntimeError(DELIBERATE_FAILURE)
+        # Rank 1 never joins: this must end in an error (peer gone / timeout), never hang.
+        torch.distributed.all_reduce(torch.ones(1, device=info.device))
+        (args.out / f"rank{r}.survived").write_text("the collective completed without rank 1")
+    distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
