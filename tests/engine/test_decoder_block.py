@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tgraph.errors import EngineInputError
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import recording
 from tgraph.nn.module import Parameter
@@ -172,12 +173,22 @@ def test_triton_backend_matches_reference_on_cpu_interpreter():
 def test_cuda_graph_replay_is_bit_identical():
     net = _record(torch.bfloat16)
     inputs = {k: v.cuda() for k, v in _inputs(torch.bfloat16).items()}
+    caches = {k: inputs[k] for k in ("k_cache", "v_cache")}
+
+    def run(engine, data):
+        for c in caches.values():
+            c.zero_()  # the captured graph writes into these very tensors
+        return engine.forward({**data, **caches})["out"]
+
     engine = net.build_engine()
-    eager = engine.forward(_fresh(inputs))["out"]
-    engine.capture(_fresh(inputs))
+    eager = run(engine, inputs)
+    engine.capture({**inputs, **caches})
     assert engine.captured_signatures == 1
-    replayed = engine.forward(_fresh(inputs))["out"]
-    assert torch.equal(eager, replayed)
+    assert torch.equal(run(engine, inputs), eager)
+    # New values of the same shapes replay the same graph and match an uncaptured engine.
     other = {k: v.cuda() for k, v in _inputs(torch.bfloat16, seed=3).items()}
-    want = net.build_engine().forward(_fresh(other))["out"]
-    assert torch.equal(engine.forward(_fresh(other))["out"], want)
+    want = run(net.build_engine(), other)
+    assert torch.equal(run(engine, other), want)
+    # A different cache tensor is refused rather than silently ignored.
+    with pytest.raises(EngineInputError, match="updated in place"):
+        engine.forward({**other, "k_cache": caches["k_cache"].clone()})

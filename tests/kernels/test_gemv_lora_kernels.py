@@ -425,31 +425,3 @@ def test_gpu_lora_real_shapes(T):
     lora_shrink(x, a, slots, t)
     lora_expand(t, b, slots, y, scaling)
     _close(y, expected, dtype)
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_gpu_small_m_linear_bandwidth():
-    """M=1 bf16 must reach 85% of device-copy bandwidth on weight bytes (weights >= 32 MB)."""
-    import triton.testing
-
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    copy_ms = triton.testing.do_bench_cudagraph(lambda: dst.copy_(src))
-    copy_bw = 2 * src.numel() / copy_ms * 1e-9  # TB/s, bytes read + written
-    del src, dst
-    report = []
-    for N, K in LINEAR_SHAPES:
-        x, w, _, _ = _linear_inputs(1, N, K, torch.bfloat16, "cuda")
-        out = torch.empty(1, N, dtype=torch.bfloat16, device="cuda")
-        split = choose_config(1, N, K, "cuda")[2]
-        ws = torch.empty(workspace_size(1, N, split), device="cuda")
-        small_m_linear(x, w, out, workspace=ws)
-        ms = triton.testing.do_bench_cudagraph(lambda: small_m_linear(x, w, out, workspace=ws))
-        ratio = w.numel() * w.element_size() / ms * 1e-9 / copy_bw
-        report.append((N, K, split, ms * 1e3, ratio))
-    print("\ncopy %.2f TB/s; (N, K, split_k, us, fraction of copy bw):" % copy_bw)
-    for row in report:
-        print("  %6d %6d %2d %8.2f %.2f" % row)
-    big = [row for row in report if row[0] * row[1] * 2 >= 32e6]
-    assert all(row[4] >= 0.85 for row in big), report

@@ -490,11 +490,14 @@ def test_gpu_4096x4096(case, dtype):
         program, _ = _fused(_hf_rms_norm, {"x": (dtype, ("n", n)), "w": (dtype, (n,))})
         make = lambda m: [_randn(m, n, dtype=dtype), _randn(n, dtype=dtype)]  # noqa: E731
     else:
-        program, _ = _fused(_gelu_tanh_masked, {"x": (dtype, ("n", n)),
-                                                "keep": (torch.bool, ("n", n)),
-                                                "b": (dtype, (n,))})
-        make = lambda m: [_randn(m, n, dtype=dtype), torch.rand(m, n, device=DEVICE) > 0.3,  # noqa
-                          _randn(n, dtype=dtype)]
+        program, names = _fused(_gelu_tanh_masked, {"x": (dtype, ("n", n)),
+                                                    "keep": (torch.bool, ("n", n)),
+                                                    "b": (dtype, (n,))})
+
+        def make(m):  # the fused node's input order is the recording's, not ours
+            data = {"x": _randn(m, n, dtype=dtype), "keep": torch.rand(m, n, device=DEVICE) > 0.3,
+                    "b": _randn(n, dtype=dtype)}
+            return [data[k] for k in names]
     before = pc.cache_size()
     for rows in (4096, 1, 77):  # prefill, decode, odd: one compiled kernel
         _check(program, make(rows))

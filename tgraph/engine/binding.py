@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -38,8 +38,8 @@ class InputSpec:
         return f"{self.name}: {_dtype_name(self.dtype)}{format_shape(self.shape)}{where}"
 
 
-def input_specs(net: Network) -> dict[str, InputSpec]:
-    return {v.name: InputSpec(v.name, v, v.dtype, v.shape, v.host) for v in net.inputs}
+def input_specs(inputs: Sequence[Value]) -> dict[str, InputSpec]:
+    return {v.name: InputSpec(v.name, v, v.dtype, v.shape, v.host) for v in inputs}
 
 
 def _unknown_name(name: str, known: list[str], where: str) -> str:

@@ -78,13 +78,14 @@ class Engine:
     """
 
     def __init__(self, net: Network, pass_records: Sequence[PassRecord] = (),
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", declared_inputs: Sequence[Value] | None = None) -> None:
         if backend not in BACKENDS:
             raise GraphError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.net = net
         self.backend = backend
         self.pass_records = list(pass_records)
-        self.specs: dict[str, InputSpec] = input_specs(net)
+        # The inputs the user recorded define the interface, even if passes made some unused.
+        self.specs: dict[str, InputSpec] = input_specs(declared_inputs or net.inputs)
         self.weights: dict[Value, torch.Tensor] = {}
         for v in net.weights:
             if v.data is None:
@@ -172,7 +173,7 @@ class Engine:
         if device is not None and device not in self._checked_devices:
             self._check_weight_devices(device)
         if outputs is not None:
-            self._check_outputs(outputs, binding, device)
+            self._check_outputs(outputs, binding, device, tensors)
 
         capture = self._captures.get(key)
         if capture is not None:
@@ -364,7 +365,8 @@ class Engine:
         self._checked_devices.add(device)
 
     def _check_outputs(self, outputs: Mapping[str, torch.Tensor], binding: _Binding,
-                       device: torch.device | None) -> None:
+                       device: torch.device | None,
+                       tensors: Mapping[str, torch.Tensor]) -> None:
         names = list(self.net.outputs)
         unknown = [n for n in outputs if n not in self.net.outputs]
         missing = [n for n in names if n not in outputs]
@@ -375,8 +377,10 @@ class Engine:
             t = outputs[name]
             if v.kind is ValueKind.INTERMEDIATE:
                 shape, dtype = binding.shapes[v]
+            elif v.kind is ValueKind.INPUT:
+                shape, dtype = tuple(tensors[v.name].shape), tensors[v.name].dtype
             else:
-                shape, dtype = tuple(self._leaf_shape(v)), v.dtype
+                shape, dtype = tuple(self.weights[v].shape), self.weights[v].dtype
             want = f"{str(dtype).replace('torch.', '')}{list(shape)}"
             if not isinstance(t, torch.Tensor):
                 raise EngineInputError(f"output {name!r} must be a torch.Tensor, expected {want}")
@@ -386,11 +390,6 @@ class Engine:
             if device is not None and t.device != device:
                 raise EngineInputError(f"output {name!r} is on {t.device}, expected {device} "
                                        "(the inputs' device)")
-
-    def _leaf_shape(self, v: Value) -> tuple[int, ...]:
-        if v.kind is ValueKind.WEIGHT:
-            return tuple(self.weights[v].shape)
-        return tuple(self.specs[v.name].shape)
 
     # ---- weights -----------------------------------------------------------------------------------
 
@@ -473,6 +472,6 @@ def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence
         raise GraphError(f"network {net.name!r} has no outputs; call mark_output(tensor, name)")
     work, _ = net.clone()
     records = PassManager(default_pipeline(), disabled_passes).run(work) if passes else []
-    engine = Engine(work, records, backend=backend)
+    engine = Engine(work, records, backend=backend, declared_inputs=net.inputs)
     release_if_default(net)
     return engine

@@ -83,6 +83,18 @@ class ColumnParallelLinear(LinearBase):
         self.rank, self.world_size = rank, ws
 
 
+    @classmethod
+    def tied(cls, weight: Parameter, rank: int = 0, world_size: int = 1) -> "ColumnParallelLinear":
+        """A linear sharing another module's (already sharded) weight, e.g. an LM head tied to
+        the vocabulary-parallel embedding: no copy is read or kept."""
+        layer = cls.__new__(cls)
+        Module.__init__(layer)
+        layer.weight = weight
+        layer.register_parameter("bias", None)
+        layer.rank, layer.world_size = rank, world_size
+        return layer
+
+
 class RowParallelLinear(LinearBase):
     """Input features split across ranks (weight dim 1); partial sums are all-reduced.
 

@@ -137,8 +137,8 @@ def check_model(model_dir: str | Path, module_map: str | Path | None = None) -> 
             if name.endswith(_IGNORED_SUFFIXES):
                 loader.mark_used(name)
         model = cls(llm, loader)
-        report.num_parameters = sum(p.data.numel() for p in model.parameters()
-                                    if p.data is not None and "rotary" not in (p.name or ""))
+        report.num_parameters = sum(p.data.numel() for name, p in model.named_parameters()
+                                    if p.data is not None and ".rotary." not in f".{name}")
         report.unused = loader.unused_names()
     except (ConfigError, WeightLoadError) as err:
         report.problems.append(str(err))

@@ -279,6 +279,11 @@ def squeeze(x: Tensor, dim: int) -> Tensor:
     return _one("squeeze", [x], dim=dim)
 
 
+def contiguous(x: Tensor) -> Tensor:
+    """A contiguous copy of ``x`` (materialises a view for a kernel that needs dense input)."""
+    return _one("contiguous", [x])
+
+
 def slice(x: Tensor, dim: int, start: int = 0, end: int | None = None,  # noqa: A001
           step: int = 1) -> Tensor:
     """``x[..., start:end:step, ...]`` along ``dim`` (a view)."""
@@ -328,6 +333,12 @@ def getitem(x: Tensor, key: Any) -> Tensor:
     """Python indexing: ints, slices (positive step), ``...``, ``None`` and index tensors."""
     items = key if isinstance(key, tuple) else (key,)
     consumed = builtins.sum(1 for k in items if k is not None and k is not Ellipsis)
+    if builtins.sum(1 for k in items if isinstance(k, Value)) > 1:
+        # NOTE: torch pairs several index tensors elementwise (advanced indexing); one gather per
+        # tensor would silently take their outer product instead.
+        raise RecordError(f"indexing {x.describe()} with more than one index tensor is not "
+                          f"supported; combine them into one index (e.g. flatten and gather)"
+                          f"\n  at {user_frame()}")
     out, dim = x, 0
     for item in items:
         if item is Ellipsis:
@@ -347,6 +358,9 @@ def getitem(x: Tensor, key: Any) -> Tensor:
                 out = slice(out, dim, item.start or 0, item.stop, item.step or 1)
             dim += 1
         else:
+            if item.rank is None and item is not items[-1]:
+                raise RecordError(f"index tensor {item.describe()} needs a known rank when more "
+                                  f"indices follow it\n  at {user_frame()}")
             out = gather(out, dim, item)
             dim += item.rank if item.rank is not None else 1
     return out

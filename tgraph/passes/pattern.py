@@ -179,6 +179,11 @@ class Pattern:
 
     def _dataflow_ok(self, net: Network, m: Match) -> bool:
         matched = {g.id for g in m.nodes.values()}
+        for v in m.bindings.values():
+            # A placeholder stands for a value from outside the match; binding it to something
+            # the match computes (``silu(h) * silu(h)`` as ``silu(gate) * up``) would delete it.
+            if isinstance(v, Value) and v.producer is not None and v.producer.id in matched:
+                return False
         exposed = set(m.outputs)
         for g in m.nodes.values():
             for v in g.outputs:

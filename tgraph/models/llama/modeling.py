@@ -28,12 +28,17 @@ class LlamaLikeForCausalLM(FlashCausalLM):
         config = llm_config.model
         self.model = self.model_cls(config, weight_loader, prefix="model",
                                     max_positions=llm_config.max_model_len)
-        if config.tie_word_embeddings or not weight_loader.has("lm_head.weight"):
-            if not config.tie_word_embeddings:
+        if config.tie_word_embeddings:
+            # Tied: the head is the embedding's own Parameter (one copy in memory and graph).
+            if weight_loader.has("lm_head.weight"):
+                weight_loader.mark_used("lm_head.weight")  # some exports save the tie anyway
+            embed = self.model.embed_tokens
+            self.lm_head = ColumnParallelLinear.tied(embed.weight, embed.rank, embed.world_size)
+        else:
+            if not weight_loader.has("lm_head.weight"):
                 raise_missing_head(weight_loader)
-            weight_loader.alias("lm_head.weight", "model.embed_tokens.weight")
-        self.lm_head = ColumnParallelLinear(weight_loader, "lm_head", config.hidden_size,
-                                            config.vocab_size)
+            self.lm_head = ColumnParallelLinear(weight_loader, "lm_head", config.hidden_size,
+                                                config.vocab_size)
 
     def forward(self, **kwargs: Any) -> dict[str, Tensor]:
         hidden = self.model(**kwargs)
