@@ -1,0 +1,59 @@
+"""Profile one decode step of a preset: ``python -m tgraph.bench.profile PRESET [--batch B]``.
+
+Prints the device time of the captured step alone (graph replays), the time of the whole
+``model.run`` (input preparation included), and the CUDA kernels by total time (torch profiler).
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from tgraph.bench.models import CONTEXT, _decode_batch, random_weights
+from tgraph.bench.timing import time_ms
+from tgraph.models.base.config import ModelConfig
+from tgraph.models.base.weight_loader import DictWeightLoader
+from tgraph.models.loading import build_model
+from tgraph.models.presets import preset
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("preset")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--trace", help="write a Chrome trace")
+    args = parser.parse_args()
+    hf_config = preset(args.preset)
+    weights = random_weights(hf_config, torch.bfloat16, "cuda")
+    model = build_model(ModelConfig.from_dict(hf_config),
+                        DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16),
+                        max_model_len=4096)
+    b = args.batch
+    model.allocate_kv_cache(b * (CONTEXT // 16 + 2) + 1)
+    model.capture_decode_graphs([b])
+    meta = _decode_batch(b, CONTEXT, model.llm_config.block_size)
+    model.run(meta)
+    engine = model.engines[(False, ())]
+    capture = next(iter(engine._captures.values()))
+    graphs = [g for g in capture.graphs if g is not None]
+
+    def replay():
+        for g in graphs:
+            g.replay()
+
+    print(f"{args.preset} batch {b}: {len(graphs)} graph(s), {engine.stats.kernel_count} kernels, "
+          f"{len(engine.segments)} segments")
+    print(f"  graph replay only: {time_ms(replay, iters=100):.3f} ms")
+    print(f"  model.run (inputs + replay + logits): {time_ms(lambda: model.run(meta)):.3f} ms")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(20):
+            model.run(meta)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
+
+
+if __name__ == "__main__":
+    main()
