@@ -255,6 +255,7 @@ def small_m_linear(
     residual: torch.Tensor | None = None,
     workspace: torch.Tensor | None = None,
     split_k: int | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """``out = x @ weight.T + bias + residual`` for small M, reading the weight once.
 
@@ -270,6 +271,8 @@ def small_m_linear(
             ``split_k > 1``; allocated here when omitted (pass one under CUDA-graph capture to keep
             the allocation out of the graph).
         split_k: force the number of K splits (>= 1); default from :func:`choose_config`.
+        config: ``(BLOCK_N, BLOCK_K, split_k, num_warps, num_stages)`` instead of the heuristic
+            (for tuning; see ``tgraph.bench.tune_gemv``).
 
     Returns:
         ``out``.
@@ -299,7 +302,11 @@ def small_m_linear(
     if M == 0 or N == 0:
         return out
 
-    block_n, block_k, auto_split, num_warps = choose_config(M, N, K, device)
+    if config is not None:
+        block_n, block_k, auto_split, num_warps, num_stages = config
+    else:
+        block_n, block_k, auto_split, num_warps = choose_config(M, N, K, device)
+        num_stages = None
     split = auto_split if split_k is None else split_k
     k_blocks = max(triton.cdiv(K, block_k), 1)
     split = min(split, k_blocks)
@@ -310,7 +317,8 @@ def small_m_linear(
     block_m = _block_m(M)
     grid_m = triton.cdiv(M, block_m)
     f32_dot = _use_f32_dot(x.dtype)
-    num_stages = 3 if block_m >= 16 else 2
+    if num_stages is None:
+        num_stages = 3 if block_m >= 16 else 2
 
     if split == 1:
         _small_m_linear_kernel[(triton.cdiv(N, block_n), 1, grid_m)](
