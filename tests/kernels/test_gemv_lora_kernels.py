@@ -157,7 +157,7 @@ def test_small_m_linear_rejects_bad_input():
         small_m_linear(sq, torch.randn(16, 16, device=DEV), sq)
 
 
-def test_choose_config_fills_the_gpu_and_splits_evenly():
+def test_choose_config_splits_evenly_and_fills_the_gpu_above_m1():
     for M in (1, 2, 4, 8, 16, 32):
         for N, K in [(2048, 2048), (8192, 2048), (2048, 8192), (6144, 4096), (4096, 14336), (128256, 2048)]:
             block_n, block_k, split_k, num_warps = choose_config(M, N, K, "cpu")
@@ -165,18 +165,22 @@ def test_choose_config_fills_the_gpu_and_splits_evenly():
             per_split = -(-k_blocks // split_k)
             # Every split has the same number of K blocks, none empty.
             assert (split_k - 1) * per_split < k_blocks <= split_k * per_split
-            assert block_k % 16 == 0 and block_n % 16 == 0 and num_warps in (1, 2, 4, 8)
+            assert block_k % 16 == 0 and block_n % 8 == 0 and num_warps in (1, 2, 4, 8)
+            if M == 1:
+                # Measured on an H200: 1024-wide K tiles, no split-K (see choose_config).
+                assert split_k == 1 and block_k == min(1024, K)
+                continue
             n_programs = -(-N // block_n) * split_k
             # Either the column blocks alone fill 132 SMs or split-K brings it to >= 1 wave.
             assert n_programs >= 132 or split_k == k_blocks, (M, N, K, n_programs)
-    assert choose_config(1, 2048, 8192, "cpu")[2] > 1
+    assert choose_config(2, 2048, 8192, "cpu")[2] > 1
     assert choose_config(1, 128256, 2048, "cpu")[2] == 1
 
 
 def test_prefer_small_m():
     assert prefer_small_m(1, 4096, 4096)
-    assert prefer_small_m(16, 4096, 4096)
-    assert not prefer_small_m(64, 4096, 4096)
+    assert prefer_small_m(4, 4096, 4096)
+    assert not prefer_small_m(16, 4096, 4096)  # cuBLAS ties or wins from here (H200 sweep)
     assert not prefer_small_m(0, 4096, 4096)
 
 

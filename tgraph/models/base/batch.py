@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import torch
+import numpy as np
 
 
 @dataclass
@@ -84,13 +84,12 @@ def pad_decode(meta: BatchMeta, batch: int) -> BatchMeta:
         extra=dict(meta.extra))
 
 
-def block_table_tensor(tables: Sequence[Sequence[int]], width: int) -> torch.Tensor:
+def block_table_array(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
     """Rows padded with zeros to ``width`` (padding entries are never read: kv_lens bound them)."""
-    out = torch.zeros(len(tables), width, dtype=torch.int32)
+    out = np.zeros((len(tables), width), dtype=np.int32)
     for i, row in enumerate(tables):
         if len(row) > width:
             raise ValueError(f"a sequence holds {len(row)} cache blocks, more than the table "
                              f"width {width} (max_model_len / block_size)")
-        if row:
-            out[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        out[i, :len(row)] = row
     return out

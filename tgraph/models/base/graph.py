@@ -11,11 +11,12 @@ import logging
 import time
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import torch
 
 from tgraph.engine import Engine
 from tgraph.errors import ConfigError
-from tgraph.models.base.batch import BatchMeta, block_table_tensor, pad_decode
+from tgraph.models.base.batch import BatchMeta, block_table_array, pad_decode
 from tgraph.models.base.causal_lm import FlashCausalLM
 from tgraph.models.base.features import FeatureDecorator, check_stackable
 from tgraph.nn.network_manager import new_network, recording
@@ -189,27 +190,26 @@ class GraphState:
         return tuple(sorted(f.name for f in used))
 
     def _engine_inputs(self, batch: BatchMeta, is_prefill: bool) -> dict[str, Any]:
+        """The batch's integer inputs, staged in one host array and sent in one copy."""
         c = self.config
-        dev = c.device
-
-        def ints(values: Sequence[int]) -> torch.Tensor:
-            return torch.tensor(list(values), dtype=torch.int32).to(dev, non_blocking=True)
-
-        inputs: dict[str, Any] = {
-            "input_ids": ints(batch.input_ids),
-            "position_ids": ints(batch.positions),
-            "slots_mapping": ints(batch.slots),
-            "block_table": block_table_tensor(batch.block_tables, c.max_blocks_per_seq).to(dev),
-            "seq_len": ints(batch.kv_lens),
+        parts: dict[str, Any] = {
+            "input_ids": batch.input_ids, "position_ids": batch.positions,
+            "slots_mapping": batch.slots, "seq_len": batch.kv_lens,
         }
+        if is_prefill:
+            parts["query_start_loc"] = np.concatenate(([0], np.cumsum(batch.query_lens)))
+            parts["lm_head_indices"] = batch.default_logits_indices()
+        arrays = {k: np.asarray(v, dtype=np.int32) for k, v in parts.items()}
+        arrays["block_table"] = block_table_array(batch.block_tables, c.max_blocks_per_seq)
+        flat = np.concatenate([a.reshape(-1) for a in arrays.values()])
+        device_flat = torch.from_numpy(flat).to(c.device, non_blocking=True)
+        inputs: dict[str, Any] = {}
+        offset = 0
+        for name, a in arrays.items():
+            inputs[name] = device_flat[offset:offset + a.size].view(a.shape)
+            offset += a.size
         for i, (k, v) in enumerate(self.kv_caches):
             inputs[f"k_cache_{i}"], inputs[f"v_cache_{i}"] = k, v
-        if is_prefill:
-            starts = [0]
-            for q in batch.query_lens:
-                starts.append(starts[-1] + q)
-            inputs["query_start_loc"] = ints(starts)
-            inputs["lm_head_indices"] = ints(batch.default_logits_indices())
         return inputs
 
     def run(self, batch: BatchMeta) -> torch.Tensor:
