@@ -192,3 +192,22 @@ def test_cuda_graph_replay_is_bit_identical():
     # A different cache tensor is refused rather than silently ignored.
     with pytest.raises(EngineInputError, match="updated in place"):
         engine.forward({**other, "k_cache": caches["k_cache"].clone()})
+
+
+@pytest.mark.gpu
+def test_cuda_graph_with_a_host_segment_between_captured_ones():
+    # A node reading a host value cannot be captured: it runs eagerly between two graphs and
+    # must still find the values the first graph produced.
+    with recording("host_between") as net:
+        x = Tensor("x", torch.float32, ("t", 64))
+        n = Tensor("n", torch.float32, (1,), host=True)
+        y = F.exp(x) * 2.0
+        y = y * n
+        net.mark_output(F.sin(y) + 1.0, "out")
+    engine = net.build_engine()
+    assert [s.capturable for s in engine.segments] == [True, False, True]
+    x = torch.randn(8, 64, device="cuda")
+    engine.capture({"x": x}, runtime_params={"n": [3.0]})
+    for scale in (3.0, 0.5):
+        got = engine.forward({"x": x}, runtime_params={"n": [scale]})["out"]
+        torch.testing.assert_close(got, torch.sin(torch.exp(x) * 2.0 * scale) + 1.0)

@@ -192,7 +192,7 @@ class Engine:
                 if graph is not None:
                     graph.replay()
                 else:
-                    self._run_steps(plan, steps, slots, capture.binding)
+                    self._run_steps(plan, steps, slots, capture.binding, release=False)
         else:
             slots = self._initial_slots(plan, tensors)
             self._run_steps(plan, range(len(plan.steps)), slots, binding, device)
@@ -211,7 +211,7 @@ class Engine:
         return slots
 
     def _run_steps(self, plan: LaunchPlan, steps: range, slots: list[Any], binding: _Binding,
-                   device: torch.device | None = None) -> None:
+                   device: torch.device | None = None, release: bool = True) -> None:
         buffers = binding.buffers
         if buffers is None and any(plan.steps[i].into for i in steps):
             buffers = self._buffers(plan, binding, device)
@@ -228,8 +228,9 @@ class Engine:
             else:
                 for s, r in zip(step.out_slots, result):
                     slots[s] = r
-            for s in step.release:
-                slots[s] = None
+            if release:
+                for s in step.release:
+                    slots[s] = None
 
     def _collect(self, plan: LaunchPlan, slots: list[Any],
                  outputs: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
@@ -337,14 +338,16 @@ class Engine:
         slots = self._initial_slots(plan, static)
         graphs = []
         for seg_index, (seg, steps) in enumerate(zip(self.segments, self._segment_ranges)):
+            # NOTE: slots are not released while capturing: host segments replayed between the
+            # graphs read values the graphs produced (they are arena views, so this costs nothing).
             if not seg.capturable:
-                self._run_steps(plan, steps, slots, binding)
+                self._run_steps(plan, steps, slots, binding, release=False)
                 graphs.append(None)
                 continue
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=self._graph_pool):
-                    self._run_steps(plan, steps, slots, binding)
+                    self._run_steps(plan, steps, slots, binding, release=False)
             except Exception as err:
                 ops = ", ".join(sorted({n.op for n in seg.nodes}))
                 raise CaptureError(f"capturing segment {seg_index} of engine {self.net.name!r} "
