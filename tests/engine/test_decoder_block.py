@@ -200,14 +200,14 @@ def test_cuda_graph_with_a_host_segment_between_captured_ones():
     # must still find the values the first graph produced.
     with recording("host_between") as net:
         x = Tensor("x", torch.float32, ("t", 64))
-        n = Tensor("n", torch.float32, (1,), host=True)
+        n = Tensor("n", torch.float32, (), host=True)  # a 0-d CPU scalar multiplies CUDA tensors
         y = F.exp(x) * 2.0
         y = y * n
         net.mark_output(F.sin(y) + 1.0, "out")
     engine = net.build_engine()
     assert [s.capturable for s in engine.segments] == [True, False, True]
     x = torch.randn(8, 64, device="cuda")
-    engine.capture({"x": x}, runtime_params={"n": [3.0]})
+    engine.capture({"x": x}, runtime_params={"n": 3.0})
     for scale in (3.0, 0.5):
-        got = engine.forward({"x": x}, runtime_params={"n": [scale]})["out"]
+        got = engine.forward({"x": x}, runtime_params={"n": scale})["out"]
         torch.testing.assert_close(got, torch.sin(torch.exp(x) * 2.0 * scale) + 1.0)
