@@ -26,6 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tgraph.layers.lora import lora_delta
 from tgraph.ir.network import Network
 from tgraph.ir.ops import all_ops
 from tgraph.ir.value import Value
@@ -915,11 +916,29 @@ COLLECTIVE_INFOS = [
            context=single_rank_group),
 ]
 
+
+def _lora_delta_samples(dtype):
+    r = lambda *s: rand(*s, dtype=dtype, lo=-1, hi=1)  # noqa: E731
+    slots = torch.tensor([0, 2, 1, 2, 0, 1, 1], dtype=torch.int32)  # 0: no adapter
+    return [Sample({"x": r(7, 16), "a": r(3, 4, 16), "b": r(3, 12, 4),
+                    "scaling": torch.tensor([0.0, 0.5, 2.0]), "slots": slots},
+                   shapes={"x": ("num_tokens", 16), "slots": ("num_tokens",)})]
+
+
+def _lora_delta_expect(x, a, b, scaling, slots):
+    rows = [torch.zeros(b.shape[1], dtype=x.dtype) if s == 0
+            else scaling[s].to(x.dtype) * (b[s] @ (a[s] @ x[t])) for t, s in enumerate(slots.tolist())]
+    return torch.stack(rows)
+
+
+LORA_INFO = OpInfo("lora_delta", lambda x, a, b, scaling, slots: lora_delta(x, a, b, scaling, slots),
+                   _lora_delta_expect, _lora_delta_samples)
+
 OP_INFOS: list[OpInfo] = (
     UNARY_INFOS + SIGNED_INFOS + BINARY_INFOS + [PROMOTION_INFO] + COMPARE_INFOS
     + [WHERE_INFO, CAST_INFO] + REDUCE_INFOS + [SOFTMAX_INFO] + LINALG_INFOS + ACTIVATION_INFOS
     + VIEW_INFOS + MEMORY_INFOS + [ROPE_INFO, CACHE_INFO] + ATTENTION_INFOS + FUSED_INFOS
-    + COLLECTIVE_INFOS
+    + COLLECTIVE_INFOS + [LORA_INFO]
 )
 
 

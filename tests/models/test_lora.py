@@ -17,7 +17,12 @@ import pytest
 import torch
 
 from tests.models.conftest import load_tiny
-from tgraph.errors import ConfigError, WeightLoadError
+from tgraph.errors import ConfigError, RecordError, WeightLoadError
+from tgraph.ir.ops.lora import lora_delta_reference
+from tgraph.kernels.fast_lora import lora_delta_into
+from tgraph.layers.lora import lora_delta
+from tgraph.nn.network_manager import new_network, recording
+from tgraph.nn.tensor import Tensor
 from tgraph.testing import PagedBatcher, hf_logits, random_hf_model
 
 REL_TOL = 1e-4
@@ -95,7 +100,7 @@ def assert_matches(results, oracles, base_hf) -> None:
             assert effect > ADAPTER_EFFECT, f"sequence {i}: adapter barely matters ({effect})"
 
 
-# ---- single adapter -------------------------------------------------------------------------------
+# ---- single adapter ------------------------------------------------------------------------------
 @pytest.mark.parametrize("graph", ["static", "eager"])
 def test_single_adapter_matches_peft(lora_setup, graph):
     tm, root, peft = lora_setup
@@ -123,7 +128,7 @@ def test_single_switching_adapters_never_rebuilds(lora_setup):
                                   (False, ("single_lora",))}
 
 
-# ---- multi adapter ----------------------------------------------------------------------------------
+# ---- multi adapter -------------------------------------------------------------------------------
 @pytest.mark.parametrize("graph", ["static", "eager"])
 def test_mixed_batch_matches_peft(lora_setup, graph):
     """Three adapters and base-model requests in one batch, prefill and decode."""
@@ -182,12 +187,13 @@ def test_single_and_multi_in_one_batch_refused(lora_setup):
     model.features["single_lora"].load("qv", root / "qv")
     model.features["single_lora"].activate("qv")
     model.features["multi_lora"].load("mlp", root / "mlp")
-    with pytest.raises(ConfigError, match="'single_lora' and 'multi_lora' cannot be used in one batch"):
+    with pytest.raises(ConfigError,
+                       match="'single_lora' and 'multi_lora' cannot be used in one batch"):
         run_steps(model, PROMPTS[:2], [None, "mlp"], steps=0)
     assert not model.engines
 
 
-# ---- bad adapters -------------------------------------------------------------------------------------
+# ---- bad adapters --------------------------------------------------------------------------------
 def copy_adapter(src: Path, dst: Path, **config_changes: Any) -> Path:
     shutil.copytree(src, dst)
     if config_changes:
@@ -246,7 +252,7 @@ def test_bad_settings_and_names(lora_setup):
         run_steps(model, PROMPTS[:1], ["qv", None], steps=0)
 
 
-# ---- the lora_delta op -------------------------------------------------------------------------------
+# ---- the lora_delta op ---------------------------------------------------------------------------
 def _delta_case(tokens: int = 40, k: int = 48, n: int = 72, r: int = 16, slots: int = 4,
                 dtype: torch.dtype = torch.float32, device: str = "cpu"):
     g = torch.Generator().manual_seed(0)
@@ -267,26 +273,25 @@ def _loop_delta(x, a, b, scaling, token_slots) -> torch.Tensor:
     return out
 
 
+def _symbolic(x_dtype=torch.float32, rank_b: int = 16, slot_dtype=torch.int32):
+    """Symbolic inputs of the ``_delta_case`` shapes (``t`` tokens, K 48, N 72, R 16, L 4)."""
+    return (Tensor("x", x_dtype, ("t", 48)), Tensor("a", x_dtype, (4, 16, 48)),
+            Tensor("b", x_dtype, (4, 72, rank_b)), Tensor("s", torch.float32, (4,)),
+            Tensor("slots", slot_dtype, ("t",)))
+
+
 def test_lora_delta_reference_and_triton_kernel():
     """The reference against the per-token definition, and the Triton wrapper (interpreter on
     CPU) through a built engine against it. fp32 throughout: tolerance 1e-5 relative."""
-    from tgraph.nn.network_manager import new_network, recording
-    from tgraph.layers.lora import lora_delta
-    from tgraph.nn.tensor import Tensor
-
     x, a, b, scaling, token_slots = _delta_case()
     want = _loop_delta(x, a, b, scaling, token_slots)
-    from tgraph.ir.ops.lora import lora_delta_reference
-
     got_ref = lora_delta_reference(x, a, b, scaling, token_slots)
     assert rel_err(got_ref, want) <= 1e-5
     assert (got_ref[token_slots == 0] == 0).all()
     assert (token_slots == 0).any() and (token_slots != 0).any()
 
     with recording(new_network("lora_delta")) as net:
-        out = lora_delta(Tensor("x", torch.float32, ("t", 48)), Tensor("a", torch.float32, (4, 16, 48)),
-                         Tensor("b", torch.float32, (4, 72, 16)), Tensor("s", torch.float32, (4,)),
-                         Tensor("slots", torch.int32, ("t",)))
+        out = lora_delta(*_symbolic())
         net.mark_output(out, "out")
     engine = net.build_engine(backend="triton")
     result = torch.full((40, 72), float("nan"))
@@ -296,20 +301,11 @@ def test_lora_delta_reference_and_triton_kernel():
 
 
 def test_lora_delta_shape_errors():
-    from tgraph.errors import RecordError
-    from tgraph.layers.lora import lora_delta
-    from tgraph.nn.network_manager import new_network, recording
-    from tgraph.nn.tensor import Tensor
-
     with recording(new_network("bad")):
         with pytest.raises(RecordError, match="a_stack rank vs b_stack rank differ"):
-            lora_delta(Tensor("x", torch.float32, ("t", 48)), Tensor("a", torch.float32, (4, 16, 48)),
-                       Tensor("b", torch.float32, (4, 72, 8)), Tensor("s", torch.float32, (4,)),
-                       Tensor("slots", torch.int32, ("t",)))
+            lora_delta(*_symbolic(rank_b=8))
         with pytest.raises(RecordError, match="token_slots must be int32 or int64"):
-            lora_delta(Tensor("x", torch.float32, ("t", 48)), Tensor("a", torch.float32, (4, 16, 48)),
-                       Tensor("b", torch.float32, (4, 72, 16)), Tensor("s", torch.float32, (4,)),
-                       Tensor("slots", torch.float32, ("t",)))
+            lora_delta(*_symbolic(slot_dtype=torch.float32))
 
 
 @pytest.mark.gpu
@@ -317,9 +313,6 @@ def test_lora_delta_shape_errors():
 def test_lora_delta_kernel_gpu(dtype):
     """Decode- and prefill-sized token counts at Llama-8B q/k/v widths (K 4096, N 6144, rank 3x16).
     bf16/fp16 inputs, fp32 accumulation: tolerance 2e-2 (bf16) / 5e-3 (fp16) relative."""
-    from tgraph.ir.ops.lora import lora_delta_reference
-    from tgraph.kernels.fast_lora import lora_delta_into
-
     for tokens in (7, 1024):
         x, a, b, scaling, token_slots = _delta_case(tokens, 4096, 6144, 48, 9, dtype, "cuda")
         want = lora_delta_reference(x.float(), a.float(), b.float(), scaling, token_slots)
@@ -339,3 +332,26 @@ def test_narrow_target_modules_match_peft(lora_setup):
     single.activate("qv")
     assert single.adapters["qv"]["lora_a_0_qkv_proj"].shape == (8, 64)
     assert_matches(run_steps(model, PROMPTS[:2], None, steps=1), [peft["qv"]] * 2, tm.hf)
+
+
+def test_mixed_batch_triton_backend(lora_setup, monkeypatch):
+    """The same mixed batch with the Triton backend (interpreter on CPU): lora_delta runs the
+    shrink/expand kernels. fp32: tolerance as above."""
+    from tgraph.ir.network import Network
+
+    build = Network.build_engine
+
+    def build_triton(self, *args, **kwargs):
+        return build(self, *args, **{**kwargs, "backend": "triton"})
+
+    monkeypatch.setattr(Network, "build_engine", build_triton)
+    tm, root, peft = lora_setup
+    model = load_tiny(tm.path, features={"multi_lora": {"max_rank": 8, "max_loras": 3}})
+    multi = model.features["multi_lora"]
+    for name in ADAPTERS:
+        multi.load(name, root / name)
+    loras = ["all", None, "qv", "mlp"]
+    results = run_steps(model, PROMPTS[:4], loras, steps=1)
+    engine = model.engines[(True, ("multi_lora",))]
+    assert "triton.lora_delta" in str(engine)
+    assert_matches(results, [peft[n] if n else tm.hf for n in loras], tm.hf)

@@ -297,6 +297,28 @@ class Engine:
         binding.buffers, binding.buffers_arena = buffers, arena
         return buffers
 
+    def intermediates(self, inputs: Mapping[str, torch.Tensor],
+                      runtime_params: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """Run once without CUDA graphs and return every node's outputs by name, for accuracy
+        analysis: ``"{index:04d}.{op}.{label}"`` (label as in ``str(network)``). Inputs declared as
+        written in place (the KV cache) are updated as by ``forward``."""
+        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params)
+        if not self._bindings:
+            fix_unknowns(self.specs, tensors)
+        plan = self.plan_for(device)
+        _, binding = self._bind(tensors, env, plan)
+        slots = self._initial_slots(plan, tensors)
+        self._run_steps(plan, range(len(plan.steps)), slots, binding, device, release=False)
+        labels = self.net.local_labels()
+        out = {}
+        for i, step in enumerate(plan.steps):
+            for v, slot in zip(step.node.outputs, step.out_slots):
+                value = slots[slot]
+                if isinstance(value, torch.Tensor):
+                    name = labels.get(v, v.label()).lstrip("%")
+                    out[f"{i:04d}.{step.node.op}.{name}"] = value.detach().clone()
+        return out
+
     # ---- CUDA graphs -------------------------------------------------------------------------------
 
     def capture(self, inputs: Mapping[str, torch.Tensor],

@@ -82,7 +82,8 @@ def _read_config(path: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as err:
-        raise WeightLoadError(f"LoRA adapter {str(config_file)!r} is not valid JSON: {err}") from None
+        raise WeightLoadError(f"LoRA adapter {str(config_file)!r} is not valid JSON: "
+                              f"{err}") from None
     if not isinstance(config, dict):
         raise WeightLoadError(f"LoRA adapter {str(config_file)!r} must hold a JSON object")
     return config
@@ -325,4 +326,6 @@ def lora_delta(x: Tensor, a_stack: Tensor, b_stack: Tensor, scaling: Tensor,
     Returns:
         ``[tokens, out]``.
     """
-    return F.record("lora_delta", [x, a_stack, b_stack, scaling, token_slots])  # type: ignore[return-value]
+    out = F.record("lora_delta", [x, a_stack, b_stack, scaling, token_slots])
+    assert not isinstance(out, tuple)
+    return out

@@ -109,6 +109,8 @@ class GraphState:
         self.build_seconds: dict[GraphKey, float] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.captured: set[int] = set()
+        self.dump_dir: str | None = None  # write each engine's intermediates of its first step
+        self._dumped: set[GraphKey] = set()
         self.features: dict[str, FeatureDecorator] = {
             f.name: f(model, self.config.features.get(f.name)) for f in model.feature_classes}
         self._kv_heads = self._local_kv_heads()
@@ -233,9 +235,38 @@ class GraphState:
             self.features[name].fill_inputs(batch, inputs)
         extra_in, extra_out, runtime = self.model._update_model_inputs(batch)
         inputs.update(extra_in)
+        if self.dump_dir is not None and key not in self._dumped:
+            self._dump(key, engine, inputs, runtime or None)
         outputs = engine.forward(inputs, extra_out or None, runtime or None)
         logits = outputs["model_out"]
         return logits if is_prefill else logits[:num_seqs]
+
+    def _dump(self, key: GraphKey, engine: Engine, inputs: dict[str, Any],
+              runtime: dict[str, Any] | None) -> None:
+        """Save the named intermediates of this step to ``dump_dir`` (safetensors + an index).
+
+        The KV caches are snapshotted and restored around the dump run, so the real step that
+        follows sees the cache as it was."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        saved = [(k.clone(), v.clone()) for k, v in self.kv_caches]
+        values = engine.intermediates(inputs, runtime)
+        for (k, v), (k0, v0) in zip(self.kv_caches, saved):
+            k.copy_(k0)
+            v.copy_(v0)
+        directory = Path(self.dump_dir)
+        directory.mkdir(parents=True, exist_ok=True)
+        stem = engine.net.name.replace(":", "_").replace("+", "_")
+        save_file({n: t.contiguous().cpu() for n, t in values.items()},
+                  str(directory / f"{stem}.safetensors"))
+        index = {n: {"shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+                 for n, t in values.items()}
+        (directory / f"{stem}.json").write_text(json.dumps(index, indent=1))
+        self._dumped.add(key)
+        logger.info("dumped %d intermediates of %s to %s", len(values), engine.net.name, directory)
 
     def capture_decode(self, buckets: Sequence[int] | None) -> list[int]:
         c = self.config

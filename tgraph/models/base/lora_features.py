@@ -61,7 +61,7 @@ class _LoraFeature(FeatureDecorator):
         self._targets: list[LoraTarget] | None = None
         self._wrapped: list[Any] = []
 
-    # ---- model facts ------------------------------------------------------------------------------
+    # ---- model facts -----------------------------------------------------------------------------
     @property
     def targets(self) -> list[LoraTarget]:
         """The linears this feature adapts (found on first use)."""
@@ -90,7 +90,7 @@ class _LoraFeature(FeatureDecorator):
                       self.model.llm_config.model.num_hidden_layers)
         return adapter
 
-    # ---- recording --------------------------------------------------------------------------------
+    # ---- recording -------------------------------------------------------------------------------
     def _wrap(self, delta: Callable[[LoraTarget, Tensor], Tensor]) -> None:
         """Make every target linear return ``base(x) + delta(target, x)`` while recording."""
         for target in self.targets:
@@ -171,7 +171,8 @@ class SingleLoraDecorator(_LoraFeature):
 
     def enter_graph(self, inputs: dict[str, Tensor]) -> None:
         def delta(target: LoraTarget, x: Tensor) -> Tensor:
-            shrunk = F.linear(x, inputs[f"lora_a_{target.key}"])  # (tokens, enabled parts * max_rank)
+            # (tokens, enabled parts * max_rank)
+            shrunk = F.linear(x, inputs[f"lora_a_{target.key}"])
             return F.linear(shrunk, inputs[f"lora_b_{target.key}"])  # (tokens, out)
         self._wrap(delta)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from tgraph.layers.attention import Attention
 from tgraph.models.base.decoder import BaseLayer, BaseModel
 from tgraph.models.base.graph import torch_to_graph
+from tgraph.models.base.lora_features import MultiLoraDecorator, SingleLoraDecorator
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
 from tgraph.models.registry import register_model
 
@@ -19,6 +20,6 @@ class Qwen2Model(BaseModel):
 
 
 @register_model(model_types=("qwen2",), architectures=("Qwen2ForCausalLM",))
-@torch_to_graph()
+@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator)
 class FlashQwen2ForCausalLM(LlamaLikeForCausalLM):
     model_cls = Qwen2Model
