@@ -46,12 +46,19 @@ def _generate(args: argparse.Namespace) -> int:
     from tgraph.runtime.llm import LLM
     from tgraph.runtime.sampling_params import SamplingParams
 
+    loras = {}
+    for item in args.lora or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise SystemExit(f"tgraph: error: --lora expects NAME=DIR, got {item!r}")
+        loras[name] = path
     llm = LLM(args.model, args.config, max_model_len=args.max_model_len,
-              module_map=args.module_map, settings_overrides=_settings_overrides(args))
+              module_map=args.module_map, settings_overrides=_settings_overrides(args),
+              loras=loras)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             repetition_penalty=args.repetition_penalty, stop=args.stop or [],
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, lora=args.use_lora)
     prompts = args.prompt
     chat = not args.no_chat
     if args.dump_tensors:
@@ -105,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stop", action="append", help="stop string (repeatable)")
     gen.add_argument("--ignore-eos", action="store_true")
     gen.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    gen.add_argument("--lora", action="append", metavar="NAME=DIR",
+                     help="load a PEFT LoRA adapter (repeatable)")
+    gen.add_argument("--use-lora", metavar="NAME", help="adapter the prompts use")
     gen.add_argument("--profile", metavar="FILE", help="write a Chrome trace (torch profiler)")
     gen.add_argument("--dump-tensors", metavar="DIR",
                      help="write the named intermediates of the first step of each engine")

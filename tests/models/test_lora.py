@@ -355,3 +355,29 @@ def test_mixed_batch_triton_backend(lora_setup, monkeypatch):
     engine = model.engines[(True, ("multi_lora",))]
     assert "triton.lora_delta" in str(engine)
     assert_matches(results, [peft[n] if n else tm.hf for n in loras], tm.hf)
+
+
+def _peft_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(steps):
+            tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_llm_generate_with_adapters_per_request(lora_setup):
+    from tgraph.runtime.llm import LLM
+    from tgraph.runtime.sampling_params import SamplingParams
+
+    tm, root, peft = lora_setup
+    names = list(ADAPTERS)[:2]
+    llm = LLM(tm.path, device="cpu", max_model_len=64, num_blocks=32, block_size=4,
+              loras={n: root / n for n in names})
+    prompts = [[1, 5, 9, 22, 7], [3, 4, 8], [11, 12, 13, 14]]
+    picks = [names[0], None, names[1]]
+    params = [SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, lora=p)
+              for p in picks]
+    outputs = llm.generate(prompts, params)
+    for prompt, pick, out in zip(prompts, picks, outputs):
+        oracle = peft[pick] if pick else tm.hf
+        assert out.token_ids == _peft_greedy(oracle, prompt, 4), pick

@@ -80,6 +80,8 @@ class LLM:
         tokenizer: a tokenizer to use instead of the one in ``model_dir``.
         max_model_len: longest prompt + output (default: the model's, capped at 8192).
         module_map: a Python file registering custom models.
+        loras: LoRA adapters (PEFT directories) by name, loaded into the multi-LoRA feature; a
+            request picks one with ``SamplingParams(lora=NAME)`` or ``generate(..., lora=NAME)``.
         overrides: settings by dotted key (``{"llm.engine.graph": "eager"}``) or by short name
             (``graph``, ``cuda_graph``, ``num_blocks``, ``block_size``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``dtype``, ``device``, ``gpu_memory_utilization``...).
@@ -88,7 +90,7 @@ class LLM:
     def __init__(self, model_dir: str | Path, config: str | Path | Settings | None = None, *,
                  tokenizer: Any = None, max_model_len: int | None = None,
                  module_map: str | Path | None = None, settings_overrides: Sequence[str] = (),
-                 **overrides: Any) -> None:
+                 loras: dict[str, str | Path] | None = None, **overrides: Any) -> None:
         mapped = {}
         for key, value in overrides.items():
             if key not in _SHORT_KEYS and "." not in key:
@@ -129,8 +131,20 @@ class LLM:
                                    max_num_batched_tokens=llm.scheduler.max_num_batched_tokens,
                                    max_model_len=c.max_model_len)
         self.runner = ModelRunner(self.model)
+        for name, path in (loras or {}).items():
+            self.load_lora(name, path)
         self._ids = itertools.count()
         self.eos_token_ids = _eos_ids(self.model.config, self.tokenizer)
+
+    def load_lora(self, name: str, path: str | Path) -> None:
+        """Load a PEFT adapter for requests that name it (multi-LoRA: mixed in one batch)."""
+        features = getattr(self.model, "features", {})
+        if "multi_lora" not in features:
+            raise ConfigError(f"{type(self.model).__name__} has no multi-LoRA feature")
+        features["multi_lora"].load(name, path)
+
+    def unload_lora(self, name: str) -> None:
+        self.model.features["multi_lora"].unload(name)
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
