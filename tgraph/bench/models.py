@@ -29,6 +29,7 @@ from tgraph.models.loading import build_model
 from tgraph.models.presets import PRESETS, preset
 
 CONTEXT = 512
+SYSTEMS = ("tgraph static", "tgraph no graphs", "tgraph eager", "HF eager", "HF compile")
 DEFAULT_PRESETS = ["llama-3.2-1b", "qwen2.5-0.5b", "llama-3-8b"]
 
 
@@ -85,21 +86,21 @@ def _prefill_batch(n: int, length: int, block_size: int) -> BatchMeta:
     return BatchMeta(ids, pos, slots, [length] * n, [length] * n, tables, is_prefill=True)
 
 
-def bench_tgraph(model, batches: list[int], result: PresetResult, graph: str) -> None:
+def bench_tgraph(model, batches: list[int], result: PresetResult, label: str) -> None:
     c = model.llm_config
     max_b = max(batches)
     blocks = max(max_b * (-(-(CONTEXT + 1) // c.block_size)),
                  8 * (-(-512 // c.block_size)), -(-2048 // c.block_size)) + 1
     model.allocate_kv_cache(blocks)
-    if graph == "static":
+    graphs = label == "tgraph static"
+    if graphs:
         model.capture_decode_graphs(batches)
-    key = f"tgraph {graph}"
-    result.decode_ms[key] = {}
+    result.decode_ms[label] = {}
     for b in batches:
         meta = _decode_batch(b, CONTEXT, c.block_size)
-        iters = 30 if graph == "static" else 5
-        result.decode_ms[key][b] = time_ms(lambda: model.run(meta), warmup=3, iters=iters)
-        if graph == "static":
+        iters = 5 if label == "tgraph eager" else 30
+        result.decode_ms[label][b] = time_ms(lambda: model.run(meta), warmup=3, iters=iters)
+        if graphs:
             # Host overhead: CPU time of one step while the GPU is idle.
             torch.cuda.synchronize()
             host = []
@@ -110,7 +111,7 @@ def bench_tgraph(model, batches: list[int], result: PresetResult, graph: str) ->
                 host.append((time.perf_counter() - t0) * 1e3)
             torch.cuda.synchronize()
             result.host_overhead_ms[b] = sorted(host)[len(host) // 2]
-    if graph == "static":
+    if graphs:
         for n, length in ((1, 2048), (8, 512)):
             meta = _prefill_batch(n, length, c.block_size)
             result.prefill_ms[f"{n}x{length}"] = time_ms(lambda: model.run(meta), warmup=2,
@@ -192,13 +193,16 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings) 
     weights = random_weights(hf_config, torch.bfloat16, "cuda")
     nbytes = sum(w.numel() * w.element_size() for w in weights.values())
     result = PresetResult(name, nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3)
-    for graph in ("static", "eager"):
+    systems = (("tgraph static", "static", True), ("tgraph no graphs", "static", False),
+               ("tgraph eager", "eager", False))
+    for label, graph, cuda_graph in systems:
         loader = DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16)
-        model = build_model(config, loader, max_model_len=4096, graph=graph)
+        model = build_model(config, loader, max_model_len=4096, graph=graph,
+                            cuda_graph=cuda_graph)
         try:
-            bench_tgraph(model, batches if graph == "static" else batches[:1], result, graph)
+            bench_tgraph(model, batches if graph == "static" else batches[:1], result, label)
         except Exception as err:
-            result.skipped[f"tgraph {graph}"] = f"{type(err).__name__}: {err}"
+            result.skipped[label] = f"{type(err).__name__}: {err}"
         del model, loader
         gc.collect()
         torch.cuda.empty_cache()
@@ -221,18 +225,17 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings) 
 
 def print_table(results: list[PresetResult]) -> None:
     print(f"\n{'preset':<14} {'batch':>5} {'bound ms':>9} " + " ".join(
-        f"{s:>15}" for s in ("tgraph static", "tgraph eager", "HF eager", "HF compile"))
+        f"{s:>15}" for s in SYSTEMS)
         + f" {'x bound':>8} {'vs HF':>7} {'vs compile':>10} {'host ms':>8}")
     for r in results:
         for b in sorted(r.decode_ms.get("tgraph static", {}) or {1: None}):
-            row = [r.decode_ms.get(s, {}).get(b) for s in
-                   ("tgraph static", "tgraph eager", "HF eager", "HF compile")]
+            row = [r.decode_ms.get(s, {}).get(b) for s in SYSTEMS]
             ours = row[0]
             cells = " ".join(f"{v:15.3f}" if v else f"{'-':>15}" for v in row)
             bound = r.bound_ms if b == 1 else r.bound_ms  # weights are read once per step
             ratio = f"{ours / bound:8.2f}" if ours else f"{'-':>8}"
-            vs_hf = f"{row[2] / ours:6.1f}x" if ours and row[2] else f"{'-':>7}"
-            vs_c = f"{row[3] / ours:9.2f}x" if ours and row[3] else f"{'-':>10}"
+            vs_hf = f"{row[3] / ours:6.1f}x" if ours and row[3] else f"{'-':>7}"
+            vs_c = f"{row[4] / ours:9.2f}x" if ours and row[4] else f"{'-':>10}"
             host = r.host_overhead_ms.get(b)
             print(f"{r.preset:<14} {b:>5} {bound:9.3f} {cells} {ratio} {vs_hf} {vs_c} "
                   f"{host if host is None else round(host, 3)!s:>8}")
