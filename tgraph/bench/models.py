@@ -240,7 +240,7 @@ def print_table(results: list[PresetResult]) -> None:
             print(f"{r.preset:<14} {b:>5} {bound:9.3f} {cells} {ratio} {vs_hf} {vs_c} "
                   f"{host if host is None else round(host, 3)!s:>8}")
         if r.prefill_ms:
-            print(f"  prefill: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.prefill_ms.items()))
+            print("  prefill: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.prefill_ms.items()))
         print(f"  build: {r.build_s}")
         for k, v in r.skipped.items():
             print(f"  skipped {k}: {v}")
