@@ -21,15 +21,31 @@ def bytes_per_block(model) -> int:
     return 2 * m.num_hidden_layers * c.block_size * kv_heads * m.head_dim * elem
 
 
+def profile_batch(num_tokens: int, max_model_len: int, block_size: int) -> tuple[BatchMeta, int]:
+    """A prefill of ``num_tokens`` tokens in sequences of at most ``max_model_len`` tokens, the
+    largest step the scheduler may run; returns it and the cache blocks it needs."""
+    lens = []
+    left = num_tokens
+    while left > 0:
+        lens.append(min(left, max_model_len))
+        left -= lens[-1]
+    ids, positions, slots, tables = [], [], [], []
+    next_block = 0
+    for n in lens:
+        blocks = list(range(next_block, next_block + -(-n // block_size)))
+        next_block += len(blocks)
+        tables.append(blocks)
+        ids += [0] * n
+        positions += list(range(n))
+        slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n)]
+    return BatchMeta(ids, positions, slots, lens, lens, tables, is_prefill=True), next_block
+
+
 def profile_activation_peak(model, num_tokens: int) -> int:
-    """Peak CUDA bytes of one prefill of ``num_tokens`` tokens (weights included)."""
+    """Peak CUDA bytes of the largest prefill step (weights included)."""
     c = model.llm_config
-    blocks = -(-num_tokens // c.block_size) + 1
+    batch, blocks = profile_batch(num_tokens, c.max_model_len, c.block_size)
     model.allocate_kv_cache(blocks)
-    n = min(num_tokens, c.max_model_len)
-    batch = BatchMeta(input_ids=[0] * n, positions=list(range(n)),
-                      slots=list(range(n)), query_lens=[n], kv_lens=[n],
-                      block_tables=[list(range(blocks - 1))], is_prefill=True)
     torch.cuda.synchronize(c.device)
     torch.cuda.reset_peak_memory_stats(c.device)
     model.run(batch)
