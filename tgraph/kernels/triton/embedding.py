@@ -6,11 +6,12 @@ must contribute zeros to the all-reduce (after the caller subtracts the shard's 
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+from tgraph.kernels.triton.checks import check_device as _check_device
+from tgraph.kernels.triton.checks import check_tensor
 
 __all__ = ["embedding"]
 
@@ -21,6 +22,12 @@ _ID_DTYPES = (torch.int32, torch.int64)
 _MAX_BLOCK_H = 4096
 # Elements per program to aim for; narrow rows are packed several to a program.
 _TARGET_TILE = 2048
+
+
+def _check_tensor(op: str, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    # Token ids may have any stride; 2-D tables need a unit-stride last dim.
+    check_tensor(op, name, t, ndim, dtypes, contiguous_last=ndim > 1)
+
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -57,30 +64,8 @@ def _config(h: int) -> tuple[int, int, int]:
     return rows, block_h, num_warps
 
 
-def _check_tensor(op: str, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{op}: {name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{op}: {name}: expected dtype {names}, got {t.dtype}")
-    if ndim > 1 and t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{op}: {name}: the last dim must be contiguous, got strides {t.stride()}")
 
 
-def _check_device(op: str, tensors: dict[str, torch.Tensor]) -> None:
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        where = ", ".join(f"{k}: {t.device}" for k, t in tensors.items())
-        raise ValueError(f"{op}: all tensors must be on one device, got {where}")
-    device = devices.pop()
-    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"{op}: Triton kernels need CUDA tensors, got {device} "
-            "(CPU works only under TRITON_INTERPRET=1)"
-        )
 
 
 def embedding(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> None:

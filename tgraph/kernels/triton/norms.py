@@ -11,11 +11,12 @@ chunked loop that reads the row twice.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+from tgraph.kernels.triton.checks import check_device as _check_device
+from tgraph.kernels.triton.checks import check_tensor as _check_tensor
 
 __all__ = ["rms_norm", "add_rms_norm"]
 
@@ -122,29 +123,8 @@ def _config(n: int) -> tuple[int, int, int, bool]:
     return rows, block_n, num_warps, True
 
 
-def _check_tensor(op: str, name: str, t: object, ndim: int) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{op}: {name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise ValueError(f"{op}: {name}: expected float32, float16 or bfloat16, got {t.dtype}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{op}: {name}: the last dim must be contiguous, got strides {t.stride()}")
 
 
-def _check_device(op: str, tensors: dict[str, torch.Tensor]) -> None:
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        where = ", ".join(f"{k}: {t.device}" for k, t in tensors.items())
-        raise ValueError(f"{op}: all tensors must be on one device, got {where}")
-    device = devices.pop()
-    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"{op}: Triton kernels need CUDA tensors, got {device} "
-            "(CPU works only under TRITON_INTERPRET=1)"
-        )
 
 
 def _check_rows(op: str, x: torch.Tensor, weight: torch.Tensor, **rows: torch.Tensor) -> None:

@@ -26,11 +26,12 @@ into the cache, so q, k and the cache write are a single launch.
 """
 from __future__ import annotations
 
-import os
 
 import torch
 import triton
 import triton.language as tl
+from tgraph.kernels.triton.checks import check_device as _check_device
+from tgraph.kernels.triton.checks import check_tensor as _check_tensor
 
 __all__ = ["rope", "rope_and_cache", "reshape_and_cache"]
 
@@ -225,18 +226,6 @@ def _config(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[int, int, i
     return block_hq, block_hk, 4
 
 
-def _check_tensor(
-    op: str, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...] = _FLOAT_DTYPES
-) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dim() != ndim:
-        raise ValueError(f"{op}: {name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
-    if t.dtype not in dtypes:
-        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
-        raise ValueError(f"{op}: {name}: expected dtype {names}, got {t.dtype}")
-    if t.shape[-1] > 1 and t.stride(-1) != 1:
-        raise ValueError(f"{op}: {name}: the last dim must be contiguous, got strides {t.stride()}")
 
 
 def _check_shape(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], why: str) -> None:
@@ -244,18 +233,6 @@ def _check_shape(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], wh
         raise ValueError(f"{op}: {name}: expected shape {tuple(shape)} ({why}), got {tuple(t.shape)}")
 
 
-def _check_device(op: str, tensors: dict[str, torch.Tensor]) -> None:
-    devices = {t.device for t in tensors.values()}
-    if len(devices) != 1:
-        where = ", ".join(f"{k}: {t.device}" for k, t in tensors.items())
-        raise ValueError(f"{op}: all tensors must be on one device, got {where}")
-    device = devices.pop()
-    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    if device.type != "cuda" and not interpreted:
-        raise ValueError(
-            f"{op}: Triton kernels need CUDA tensors, got {device} "
-            "(CPU works only under TRITON_INTERPRET=1)"
-        )
 
 
 def _check_qk(op: str, q, k, cos, sin, q_out, k_out, interleaved) -> None:

@@ -1,0 +1,40 @@
+"""Input checks shared by the Triton kernel wrappers (clear errors instead of bad launches)."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_tensor(op: str, name: str, t: object, ndim: int,
+                 dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES,
+                 contiguous_last: bool = True) -> None:
+    """``t`` must be a ``ndim``-D tensor of one of ``dtypes`` (with a unit-stride last dim)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"{op}: {name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if t.dtype not in dtypes:
+        if dtypes == FLOAT_DTYPES:
+            raise ValueError(f"{op}: {name}: expected float32, float16 or bfloat16, got {t.dtype}")
+        names = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise ValueError(f"{op}: {name}: expected dtype {names}, got {t.dtype}")
+    if contiguous_last and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(f"{op}: {name}: the last dim must be contiguous, got strides {t.stride()}")
+
+
+def check_device(op: str, tensors: dict[str, torch.Tensor]) -> None:
+    """All tensors on one device, and that device CUDA (or CPU under ``TRITON_INTERPRET=1``)."""
+    devices = {t.device for t in tensors.values()}
+    if len(devices) != 1:
+        where = ", ".join(f"{k}: {t.device}" for k, t in tensors.items())
+        raise ValueError(f"{op}: all tensors must be on one device, got {where}")
+    device = devices.pop()
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        raise ValueError(
+            f"{op}: Triton kernels need CUDA tensors, got {device} "
+            "(CPU works only under TRITON_INTERPRET=1)"
+        )
