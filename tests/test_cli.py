@@ -122,3 +122,18 @@ def test_unknown_command_exits_with_usage(capsys: pytest.CaptureFixture[str]) ->
         main(["frobnicate"])
     assert info.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_generate_profile_and_dump(model_dir: Path, tmp_path: Path,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    trace, dump = tmp_path / "trace.json", tmp_path / "dump"
+    rc = main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "3",
+               "--no-chat", "--profile", str(trace), "--dump-tensors", str(dump)])
+    assert rc == 0
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("linear" in str(e.get("name", "")) or "mm" in str(e.get("name", ""))
+               for e in events)
+    assert sorted(p.suffix for p in dump.iterdir()) == [".json", ".json", ".safetensors",
+                                                        ".safetensors"]

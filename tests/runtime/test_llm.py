@@ -236,3 +236,12 @@ def test_text_prompt_chat_template(text_llm: LLM) -> None:
     plain = text_llm.encode("hello")
     assert len(ids) > len(plain)
     assert text_llm.tokenizer.decode(ids).endswith("### assistant\n")
+
+
+def test_progress_bar_counts_generated_tokens(llama_dir, capsys):
+    llm = _llm(llama_dir)
+    outputs = llm.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0.0, max_tokens=5,
+                                                               ignore_eos=True), progress=True)
+    err = capsys.readouterr().err
+    assert "generating" in err and "10/10" in err
+    assert [len(o.token_ids) for o in outputs] == [5, 5]

@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Sequence
+
+from tqdm import tqdm
 
 from tgraph.config import Settings, load_settings
 from tgraph.errors import ConfigError, RequestTooLongError
@@ -201,14 +204,26 @@ class LLM:
 
     def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 chat: bool = False, lora: str | None = None) -> list[RequestOutput]:
-        """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in order."""
+                 chat: bool = False, lora: str | None = None,
+                 progress: bool | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in order.
+
+        Args:
+            progress: show a progress bar of generated tokens (default: for long generations,
+                at least 1024 requested tokens, when stderr is a terminal).
+        """
+        n = 1 if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) \
+            else len(prompts)
+        per = [params] * n if params is None or isinstance(params, SamplingParams) else params
+        budget = sum((p or SamplingParams()).max_tokens for p in per)
+        if progress is None:
+            progress = budget >= 1024 and sys.stderr.isatty()
+        bar = tqdm(total=budget, unit="tok", desc="generating", disable=not progress)
         outputs: dict[str, RequestOutput] = {}
-        order: list[str] = []
         for event in self.stream(prompts, params, chat=chat, lora=lora):
-            if event.request_id not in outputs:
-                order.append(event.request_id)
             outputs[event.request_id] = event.output
+            bar.update(len(event.token_ids))
+        bar.close()
         return [outputs[r] for r in sorted(outputs, key=lambda r: int(r.split("-")[1]))]
 
     def _loop(self, states: dict[str, "_State"]) -> Iterator[StreamEvent]:
