@@ -240,8 +240,7 @@ class Engine:
             if outputs is not None:
                 outputs[name].copy_(value)
                 results[name] = outputs[name]
-            elif self._output_clone[name] or plan.steps and plan.steps[0].into \
-                    or self._captures:
+            elif self._output_clone[name] or plan.uses_arena or self._captures:
                 # Arena buffers and captured slots are reused by the next call: hand out a copy.
                 results[name] = value.clone()
             else:

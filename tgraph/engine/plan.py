@@ -36,6 +36,7 @@ class LaunchPlan:
     slot_of: dict[Value, int] = field(default_factory=dict)
     num_slots: int = 0
     constants: dict[int, Any] = field(default_factory=dict)
+    uses_arena: bool = False  # kernels write into planned arena buffers (the Triton plan)
 
     def slot(self, v: Value) -> int:
         if v not in self.slot_of:
@@ -69,7 +70,7 @@ def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] | None = No
             for each node that is not a pure view; ``None`` uses the torch references, which
             return their results.
     """
-    plan = LaunchPlan()
+    plan = LaunchPlan(uses_arena=select is not None)
     for v in net.inputs + net.weights:
         plan.slot(v)
     last_use: dict[Value, int] = {}

@@ -130,7 +130,7 @@ def _matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, bias, re
     """``out2 = x2 @ w(.T) + bias + residual2`` through the small-M kernel or cuBLAS."""
     m, k = x2.shape
     n = w.shape[0] if transpose_b else w.shape[1]
-    if transpose_b and w.is_cuda or transpose_b and _force_triton(x2):
+    if transpose_b and (w.is_cuda or _force_triton(x2)):
         from tgraph.kernels.triton.gemv import prefer_small_m, small_m_linear
 
         if prefer_small_m(m, n, k) and w.stride(-1) == 1:

@@ -261,17 +261,14 @@ class LLM:
                 self.scheduler.finish_request(out.request_id, FinishReason.STOP)
                 finished = True
             if step.finished:
+                # A stop string truncates the text; the tokens that formed it are kept.
                 out.finish_reason = step.finish_reason
-                if step.stop_reason is not None and isinstance(step.stop_reason, str):
-                    out.token_ids = out.token_ids[:]  # tokens are kept; text is truncated
         if finished:
             state.done = True
             if out.finish_reason is None:
                 out.finish_reason = (state.request.finish_reason.value
                                      if state.request.finish_reason else "stop")
-            out.total_seconds = now - state.start
-        else:
-            out.total_seconds = now - state.start
+        out.total_seconds = now - state.start
         yield StreamEvent(out.request_id, text, [token], state.done, out)
 
 
