@@ -1,4 +1,4 @@
-"""The ``tgraph`` command line: ``generate``, ``check-model``, ``demo``."""
+"""The ``tgraph`` command line: ``generate``, ``check-model``, ``rules``, ``demo``."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,10 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
 
 def _settings_overrides(args: argparse.Namespace) -> list[str]:
     overrides = list(args.overrides)
+    if getattr(args, "rules", None):
+        import json
+
+        overrides.append(f"llm.engine.rules={json.dumps(str(args.rules))}")
     if args.graph:
         overrides.append(f"llm.engine.graph={args.graph}")
     return overrides
@@ -87,6 +91,16 @@ def _check_model(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _rules(args: argparse.Namespace) -> int:
+    from tgraph.rules import dry_run
+
+    report, warned = dry_run(args.model, args.rules, module_map=args.module_map)
+    print(report)
+    for message in warned:
+        print(f"WARNING: {message}")
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     from tgraph.demo import run_demo
 
@@ -115,6 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--lora", action="append", metavar="NAME=DIR",
                      help="load a PEFT LoRA adapter (repeatable)")
     gen.add_argument("--use-lora", metavar="NAME", help="adapter the prompts use")
+    gen.add_argument("--rules", metavar="FILE", help="YAML injection rules (see configs/rules/)")
     gen.add_argument("--profile", metavar="FILE", help="write a Chrome trace (torch profiler)")
     gen.add_argument("--dump-tensors", metavar="DIR",
                      help="write the named intermediates of the first step of each engine")
@@ -125,6 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("model")
     check.add_argument("--module-map", help="Python file that registers custom models")
     check.set_defaults(func=_check_model)
+
+    rules = sub.add_parser("rules", help="dry run of injection rules: which rule matches each "
+                                         "module (no weights are read)")
+    rules.add_argument("--model", required=True, help="directory with config.json + safetensors")
+    rules.add_argument("--rules", required=True, help="YAML rule file (see configs/rules/)")
+    rules.add_argument("--module-map", help="Python file that registers custom models")
+    rules.set_defaults(func=_rules)
 
     demo = sub.add_parser("demo", help="HF vs tgraph on a built-in tiny model (no downloads)")
     demo.add_argument("--max-tokens", type=int, default=24)

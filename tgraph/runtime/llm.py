@@ -109,12 +109,21 @@ class LLM:
                                             **dict(_split(o) for o in settings_overrides)})
         self.settings = settings
         llm = settings.llm
+        rules = None
+        if llm.engine.rules:
+            from tgraph.rules import load_rules
+
+            rules = load_rules(llm.engine.rules)  # bad rules are refused before weights load
         start = time.perf_counter()
         self.model = load_model(
             model_dir, dtype=llm.model.dtype, device=llm.model.device, max_model_len=max_model_len,
             module_map=module_map, graph=llm.engine.graph, cuda_graph=llm.engine.cuda_graph,
             block_size=llm.cache.block_size, batch_buckets=tuple(llm.engine.batch_buckets),
             disabled_passes=tuple(llm.engine.disabled_passes))
+        if rules is not None:
+            from tgraph.rules import apply_rules
+
+            apply_rules(self.model, rules)  # before any graph is recorded
         self.load_seconds = time.perf_counter() - start
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
         c = self.model.llm_config

@@ -1,0 +1,454 @@
+"""Injection rules: replace or reconfigure modules of a built model, from a YAML file.
+
+A rule file is a YAML list; each rule says which modules it matches and what becomes of them::
+
+    - match: {name: "_proj$", class: tgraph.layers.linear.RowParallelLinear}
+      replace: {class: tgraph.rules.LinearWithBackend, kwargs: {backend: cublas}}
+    - match: {name: "^lm_head$"}
+      replace: default          # keep the module (a short form of {class: default})
+      recursive: false          # and let no rule reach its children
+
+* ``match.name`` is a regex *searched* in the dotted module name (``model.layers.0.mlp``);
+  ``match.class`` an importable class path tested with ``isinstance``. All given keys must match.
+* ``replace.class`` is a class with ``from_module(cls, module, **kwargs)`` building the new
+  module from the old one (sharing its Parameters: no weight is read again), or ``"default"``:
+  keep the module, calling ``module.configure(**kwargs)`` when kwargs are given. ``replace`` may
+  be left out (``default``, no kwargs): with ``recursive: false`` such a rule fences a subtree.
+* Rules are tried in file order and the first match wins; the module tree is walked top-down, so
+  a replaced module's children are visited next (unless the rule says ``recursive: false``).
+
+:func:`load_rules` checks everything it can before a model exists (keys, regexes, imports, the
+kwargs against ``from_module`` / ``configure``), so a typo fails in a second, not after minutes of
+weight loading. Every error names the rule index and the field.
+"""
+from __future__ import annotations
+
+import importlib
+import inspect
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from tgraph.errors import ConfigError, TGraphError
+from tgraph.layers.linear import LinearBase, RowParallelLinear
+from tgraph.nn import functional as F
+from tgraph.nn.module import Module
+from tgraph.nn.tensor import Tensor
+
+__all__ = ["DEFAULT", "LinearWithBackend", "Rule", "apply_rules", "dry_run", "format_matches",
+           "load_rules"]
+
+DEFAULT = "default"
+_RULE_KEYS = ("match", "replace", "recursive")
+_MATCH_KEYS = ("name", "class")
+_REPLACE_KEYS = ("class", "kwargs")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One validated rule.
+
+    Attributes:
+        index: position in the rule file (errors and reports use it).
+        name: compiled ``match.name`` regex, or ``None``.
+        match_class: the ``match.class`` class, or ``None``.
+        replace_class: the replacement class, or ``None`` for ``"default"``.
+        kwargs: ``replace.kwargs``.
+        recursive: whether rules still visit the children of a module this rule matched.
+    """
+
+    index: int
+    name: re.Pattern[str] | None
+    match_class: type | None
+    replace_class: type | None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    recursive: bool = True
+
+    def matches(self, name: str, module: Module) -> bool:
+        """Whether every given ``match`` key holds for ``module`` at dotted path ``name``."""
+        if self.name is not None and self.name.search(name) is None:
+            return False
+        return self.match_class is None or isinstance(module, self.match_class)
+
+    def describe(self) -> str:
+        """A one-line summary, e.g. ``name~'_proj$' -> LinearWithBackend(backend='cublas')``."""
+        parts = []
+        if self.name is not None:
+            parts.append(f"name~{self.name.pattern!r}")
+        if self.match_class is not None:
+            parts.append(f"class={self.match_class.__name__}")
+        target = self.replace_class.__name__ if self.replace_class is not None else DEFAULT
+        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        text = f"{' & '.join(parts)} -> {target}({args})"
+        return text if self.recursive else text + " [not recursive]"
+
+
+# ---------------------------------------------------------------------------------- loading
+def _fail(where: str, message: str) -> ConfigError:
+    return ConfigError(f"{where}: {message}")
+
+
+def _import_class(path: Any, where: str) -> type:
+    """Import ``package.module.Class`` (attribute chains after the module are allowed)."""
+    if not isinstance(path, str) or "." not in path:
+        raise _fail(where, f"expected an importable class path like "
+                           f"'tgraph.layers.linear.RowParallelLinear', got {path!r}")
+    parts = path.split(".")
+    # The longest importable module prefix, then attributes (a class nested in a class works).
+    for split in range(len(parts) - 1, 0, -1):
+        module_name = ".".join(parts[:split])
+        try:
+            obj: Any = importlib.import_module(module_name)
+        except ModuleNotFoundError as err:
+            # Only "this prefix is not a module" means try a shorter one; a module that fails
+            # inside its own imports is a real error worth showing.
+            if err.name is not None and module_name.startswith(err.name):
+                continue
+            raise _fail(where, f"importing {module_name!r} for {path!r} failed: {err}") from err
+        except Exception as err:  # noqa: BLE001 - any import-time failure is the user's to see
+            raise _fail(where, f"importing {module_name!r} for {path!r} failed: "
+                               f"{type(err).__name__}: {err}") from err
+        try:
+            for attr in parts[split:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            raise _fail(where, f"module {module_name!r} has no {'.'.join(parts[split:])!r} "
+                               f"(for {path!r})") from None
+        if not isinstance(obj, type):
+            raise _fail(where, f"{path!r} is a {type(obj).__name__}, not a class")
+        return obj
+    raise _fail(where, f"cannot import {path!r}: no module {parts[0]!r}")
+
+
+def _check_keys(value: Any, allowed: Sequence[str], where: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _fail(where, f"expected a mapping with keys {list(allowed)}, "
+                           f"got {type(value).__name__} {value!r}")
+    unknown = [k for k in value if k not in allowed]
+    if unknown:
+        raise _fail(f"{where}.{unknown[0]}", f"unknown key; expected one of {list(allowed)}")
+    return value
+
+
+def _check_call(fn: Callable[..., Any], kwargs: Mapping[str, Any], what: str, where: str,
+                leading: int) -> None:
+    """Refuse kwargs ``fn`` cannot take (``leading`` positional slots are filled by us)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: nothing to check before the call
+    try:
+        sig.bind(*([None] * leading), **kwargs)
+    except TypeError as err:
+        raise _fail(where, f"{what} does not accept {dict(kwargs)!r}: {err} "
+                           f"(signature {sig})") from None
+
+
+def _parse_rule(raw: Any, index: int) -> Rule:
+    where = f"rule {index}"
+    raw = _check_keys(raw, _RULE_KEYS, where)
+    if "match" not in raw:
+        raise _fail(f"{where}.match", "missing; a rule needs match.name and/or match.class")
+    match = _check_keys(raw["match"], _MATCH_KEYS, f"{where}.match")
+    if not match:
+        raise _fail(f"{where}.match", "empty; give name (a regex) and/or class")
+
+    pattern = None
+    if "name" in match:
+        if not isinstance(match["name"], str):
+            raise _fail(f"{where}.match.name", f"expected a regex string, got {match['name']!r}")
+        try:
+            pattern = re.compile(match["name"])
+        except re.error as err:
+            raise _fail(f"{where}.match.name", f"invalid regex {match['name']!r}: {err}") from None
+    match_class = _import_class(match["class"], f"{where}.match.class") \
+        if "class" in match else None
+
+    replace = raw.get("replace", DEFAULT)
+    if isinstance(replace, str):  # short form: ``replace: default`` or ``replace: pkg.Class``
+        replace = {"class": replace}
+    replace = _check_keys(replace, _REPLACE_KEYS, f"{where}.replace")
+    class_path = replace.get("class", DEFAULT)
+    kwargs = replace.get("kwargs") or {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise _fail(f"{where}.replace.kwargs", f"expected a mapping of argument names to "
+                                               f"values, got {kwargs!r}")
+    kwargs = dict(kwargs)
+
+    replace_class = None
+    if class_path == DEFAULT:
+        # The module's class is known here only through match.class; otherwise configure()
+        # is checked when the rule meets a module (apply_rules).
+        if kwargs and match_class is not None:
+            configure = getattr(match_class, "configure", None)
+            if not callable(configure):
+                raise _fail(f"{where}.replace.kwargs", f"'default' keeps the module and passes "
+                            f"kwargs to its configure(), but {match_class.__name__} has none")
+            _check_call(configure, kwargs, f"{match_class.__name__}.configure",
+                        f"{where}.replace.kwargs", leading=1)
+    else:
+        replace_class = _import_class(class_path, f"{where}.replace.class")
+        from_module = getattr(replace_class, "from_module", None)
+        if not callable(from_module):
+            raise _fail(f"{where}.replace.class", f"{class_path!r} has no from_module(module, "
+                                                  f"**kwargs) classmethod")
+        _check_call(from_module, kwargs, f"{replace_class.__name__}.from_module",
+                    f"{where}.replace.kwargs", leading=1)
+        check = getattr(replace_class, "check_kwargs", None)
+        if callable(check):  # optional hook: values, not just names, checked before loading
+            try:
+                check(**kwargs)
+            except (ValueError, TypeError) as err:
+                raise _fail(f"{where}.replace.kwargs", str(err)) from None
+
+    recursive = raw.get("recursive", True)
+    if not isinstance(recursive, bool):
+        raise _fail(f"{where}.recursive", f"expected true or false, got {recursive!r}")
+    return Rule(index, pattern, match_class, replace_class, kwargs, recursive)
+
+
+def load_rules(source: str | Path | Sequence[Mapping[str, Any]]) -> list[Rule]:
+    """Read and validate injection rules.
+
+    Args:
+        source: a YAML file path, or the already-parsed list of rule mappings.
+
+    Returns:
+        The rules, in file order.
+
+    Raises:
+        ConfigError: an unreadable file or invalid rule; the message names the rule index and
+            the field (``rule 2.replace.kwargs: ...``).
+    """
+    if isinstance(source, (str, Path)):
+        import yaml
+
+        path = Path(source)
+        try:
+            text = path.read_text()
+        except OSError as err:
+            raise ConfigError(f"cannot read rules file {str(path)!r}: {err}") from None
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise ConfigError(f"rules file {str(path)!r} is not valid YAML: {err}") from None
+        if raw is None:
+            raw = []  # an empty file: no rules
+    else:
+        raw = source
+    if not isinstance(raw, (list, tuple)):
+        raise ConfigError(f"rules: expected a list of rules, got {type(raw).__name__}")
+    return [_parse_rule(r, i) for i, r in enumerate(raw)]
+
+
+# ---------------------------------------------------------------------------------- applying
+def _apply_one(rule: Rule, name: str, module: Module) -> Module:
+    """The module that replaces ``module`` under ``rule`` (``module`` itself for default)."""
+    where = f"rule {rule.index}"
+    if rule.replace_class is None:
+        if rule.kwargs:
+            configure = getattr(module, "configure", None)
+            if not callable(configure):
+                raise _fail(f"{where}.replace.kwargs", f"'default' passes kwargs to configure(), "
+                            f"but module {name!r} ({type(module).__name__}) has none")
+            _check_call(configure, rule.kwargs, f"{type(module).__name__}.configure",
+                        f"{where}.replace.kwargs", leading=0)
+            try:
+                configure(**rule.kwargs)
+            except (TGraphError, ValueError, TypeError) as err:
+                raise _fail(f"{where}.replace.kwargs", f"configuring {name!r}: {err}") from err
+        return module
+    try:
+        new = rule.replace_class.from_module(module, **rule.kwargs)
+    except (TGraphError, ValueError, TypeError) as err:
+        raise _fail(f"{where}.replace.class", f"{rule.replace_class.__name__}.from_module on "
+                    f"{name!r} ({type(module).__name__}): {err}") from err
+    if not isinstance(new, Module):
+        raise _fail(f"{where}.replace.class", f"{rule.replace_class.__name__}.from_module "
+                    f"returned {type(new).__name__}, not a tgraph Module")
+    return new
+
+
+def apply_rules(model: Module, rules: Sequence[Rule], *, warn_unused: bool = True
+                ) -> list[tuple[str, int | None]]:
+    """Apply ``rules`` to ``model``'s sub-modules in place, top-down.
+
+    Call it before the model's first ``run``: engines already built keep the old modules' graph.
+    The root itself is never matched (there is no parent to put a replacement in). Each module
+    object is visited once: one reached again (shared under a second name, or kept as a child
+    of its own replacement) is left alone.
+
+    Args:
+        model: the root module (e.g. what :func:`tgraph.models.load_model` returns).
+        rules: from :func:`load_rules`.
+        warn_unused: ``warnings.warn`` for each rule that matched no module.
+
+    Returns:
+        ``(dotted module name, index of the rule that matched or None)`` for every module the
+        walk visited, in visiting order; modules under a ``recursive: false`` match are not
+        visited and not listed.
+
+    Raises:
+        ConfigError: a replacement failed; the message names the rule index, field and module.
+    """
+    results: list[tuple[str, int | None]] = []
+    used: set[int] = set()
+    seen: set[int] = {id(model)}
+    keep_alive: list[Module] = [model]  # ids in `seen` must not be reused by new objects
+
+    def visit(parent: Module, prefix: str) -> None:
+        for child_name, child in list(parent._modules.items()):
+            if child is None or id(child) in seen:
+                continue
+            seen.add(id(child))
+            keep_alive.append(child)
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            rule = next((r for r in rules if r.matches(name, child)), None)
+            results.append((name, rule.index if rule is not None else None))
+            if rule is None:
+                visit(child, name)
+                continue
+            used.add(rule.index)
+            new = _apply_one(rule, name, child)
+            if new is not child:
+                model.set_submodule(name, new)
+                seen.add(id(new))
+                keep_alive.append(new)
+            if rule.recursive:
+                visit(new, name)
+
+    visit(model, "")
+    if warn_unused:
+        for r in rules:
+            if r.index not in used:
+                warnings.warn(f"injection rule {r.index} ({r.describe()}) matched no module",
+                              stacklevel=2)
+    return results
+
+
+def format_matches(matches: Sequence[tuple[str, int | None]], rules: Sequence[Rule]) -> str:
+    """The report of :func:`apply_rules` as text, one module a line.
+
+    Args:
+        matches: what :func:`apply_rules` returned.
+        rules: the rules it applied (to describe each match).
+
+    Returns:
+        Lines ``<module>  rule <i>: <summary>`` or ``<module>  -`` when no rule matched.
+    """
+    by_index = {r.index: r for r in rules}
+    width = max((len(n) for n, _ in matches), default=0)
+    lines = []
+    for name, idx in matches:
+        what = "-" if idx is None else f"rule {idx}: {by_index[idx].describe()}"
+        lines.append(f"{name.ljust(width)}  {what}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- replacements
+class LinearWithBackend(LinearBase):
+    """A linear whose GEMM formulation is chosen by a rule, sharing the original's weights.
+
+    ``"triton"`` records ``F.linear`` (the fused linear path: epilogue fusion, the GEMV/GEMM
+    kernels); ``"cublas"`` records ``matmul(x, transpose(weight))``, which no linear pass
+    rewrites, so it reaches the engine as a plain matmul. Same numbers, different graphs.
+
+    Every plain attribute of the wrapped linear (``output_sizes``, ``num_heads``, ``rank``...)
+    is copied, so the parent module reads it as before; a row-parallel linear keeps its
+    all-reduce.
+    """
+
+    BACKENDS = ("cublas", "triton")
+
+    @classmethod
+    def check_kwargs(cls, backend: str = "triton") -> None:
+        """Refuse an unknown backend (called by :func:`load_rules` before any model exists)."""
+        if backend not in cls.BACKENDS:
+            raise ValueError(f"backend must be one of {list(cls.BACKENDS)}, got {backend!r}")
+
+    @classmethod
+    def from_module(cls, module: Module, backend: str = "triton") -> "LinearWithBackend":
+        """Wrap ``module``'s weight and bias (the same Parameters, nothing copied).
+
+        Args:
+            module: a :class:`~tgraph.layers.linear.LinearBase` (any linear of the layer zoo).
+            backend: ``"cublas"`` or ``"triton"``.
+
+        Returns:
+            The new module.
+        """
+        if not isinstance(module, LinearBase):
+            raise TypeError(f"LinearWithBackend replaces a LinearBase, got "
+                            f"{type(module).__name__}")
+        cls.check_kwargs(backend)
+        layer = cls.__new__(cls)
+        Module.__init__(layer)
+        for key, value in module.__dict__.items():
+            if key not in ("_modules", "_parameters", "_named"):
+                object.__setattr__(layer, key, value)
+        layer._parameters.update(module._parameters)
+        layer._modules.update(module._modules)
+        layer.backend = backend
+        layer.source_class = type(module).__name__
+        # NOTE: checked by type, not by a flag of the original, because only RowParallelLinear
+        # reduces in its own forward, which this class replaces.
+        layer.reduce_output = isinstance(module, RowParallelLinear) and module.world_size > 1
+        return layer
+
+    def configure(self, backend: str) -> None:
+        """Switch the backend (a ``replace: default`` rule with ``kwargs: {backend: ...}``)."""
+        self.check_kwargs(backend)
+        self.backend = backend
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.backend == "cublas":
+            out = F.matmul(x, F.transpose(self.weight, 0, 1))  # (tokens, in) @ (in, out)
+            if self.bias is not None:
+                out = out + self.bias
+        else:
+            out = F.linear(x, self.weight, self.bias)
+        if self.reduce_output:
+            from tgraph.nn import distributed
+
+            out = distributed.all_reduce(out)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, backend={self.backend}, from={self.source_class}"
+
+
+# ---------------------------------------------------------------------------------- dry run
+def dry_run(model_dir: str | Path, rules: str | Path | Sequence[Mapping[str, Any]], *,
+            module_map: str | Path | None = None) -> tuple[str, list[str]]:
+    """Apply rules to a model built on the ``meta`` device (no weight is read) and report.
+
+    Args:
+        model_dir: a checkpoint directory (``config.json`` + safetensors headers are read).
+        rules: a rule file or parsed rules; validated before the model is built.
+        module_map: a Python file registering custom models.
+
+    Returns:
+        ``(report, warnings)``: :func:`format_matches` text, and the no-match warnings.
+    """
+    import torch
+
+    from tgraph.models.base.config import ModelConfig
+    from tgraph.models.base.llm_config import LlmConfig
+    from tgraph.models.base.weight_loader import SafetensorFileLoader
+    from tgraph.models.registry import load_module_map, resolve_model_class
+
+    parsed = load_rules(rules)
+    if module_map is not None:
+        load_module_map(module_map)
+    config = ModelConfig.from_dir(model_dir)
+    cls = resolve_model_class(config)
+    llm = LlmConfig(config, dtype=torch.float32, device="meta",
+                    max_model_len=min(config.max_position_embeddings, 64))
+    loader = SafetensorFileLoader(model_dir, device="meta", dtype=torch.float32, progress=False)
+    model = cls(llm, loader)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        matches = apply_rules(model, parsed)
+    return format_matches(matches, parsed), [str(w.message) for w in caught]
