@@ -137,3 +137,12 @@ def test_generate_profile_and_dump(model_dir: Path, tmp_path: Path,
                for e in events)
     assert sorted(p.suffix for p in dump.iterdir()) == [".json", ".json", ".safetensors",
                                                         ".safetensors"]
+
+
+def test_bench_subcommand_refuses_clearly_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this checks the message shown without CUDA")
+    assert main(["bench", "models", "--presets", "llama-3.2-1b"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err

@@ -1,4 +1,4 @@
-"""The ``tgraph`` command line: ``generate``, ``check-model``, ``rules``, ``demo``."""
+"""The ``tgraph`` command line: ``generate``, ``check-model``, ``rules``, ``bench``, ``demo``."""
 from __future__ import annotations
 
 import argparse
@@ -148,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--module-map", help="Python file that registers custom models")
     rules.set_defaults(func=_rules)
 
+    bench = sub.add_parser("bench", help="benchmark on a GPU (same as python -m tgraph.bench)",
+                           add_help=False)
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)  # handled in main()
+
     demo = sub.add_parser("demo", help="HF vs tgraph on a built-in tiny model (no downloads)")
     demo.add_argument("--max-tokens", type=int, default=24)
     demo.add_argument("--graph", choices=("static", "eager"), default="static")
@@ -157,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"]:  # its own options (--help too) belong to tgraph.bench
+        from tgraph.bench.__main__ import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(name)s: %(message)s")
