@@ -8,6 +8,7 @@ the buffer, so every network runs.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Sequence
 
 import torch
@@ -104,8 +105,7 @@ def _rope_cache(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots, *, inter
     from tgraph.kernels.triton.rope import rope_and_cache
 
     # The rotated k only goes to the cache; the kernel still wants somewhere to put it.
-    k_scratch = torch.empty_like(k) if k.stride(-1) == 1 else torch.empty(k.shape, dtype=k.dtype,
-                                                                          device=k.device)
+    k_scratch = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     rope_and_cache(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), cos.float(),
                    sin.float(), k_cache, v_cache, slots, outs[0], k_scratch, interleaved)
     return outs[0], k_cache, v_cache
@@ -149,8 +149,6 @@ def _matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, bias, re
 
 def _force_triton(t: torch.Tensor) -> bool:
     # Under the interpreter (CI) the Triton backend runs its kernels on CPU tensors too.
-    import os
-
     return not t.is_cuda and os.environ.get("TRITON_INTERPRET") == "1"
 
 
