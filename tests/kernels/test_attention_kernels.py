@@ -292,9 +292,10 @@ def test_prefill_tile_shapes(config, window):
 
 def test_prefill_config_heuristic():
     big = attention_prefill.prefill_config(128, None, is_cuda=True)
-    assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (128, 64, 8, 3)
+    assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (64, 64, 4, 2)
     assert attention_prefill.prefill_config(128, 5, is_cuda=True).block_m == 16
     assert attention_prefill.prefill_config(128, 33, is_cuda=True).block_m == 64
+    assert attention_prefill.prefill_config(128, 20, is_cuda=True).block_m == 32
     assert attention_prefill.prefill_config(64, 4096, is_cuda=True).block_m == 128
     assert attention_prefill.prefill_config(256, None, is_cuda=True).block_n == 32
 

@@ -268,6 +268,21 @@ def test_lora_shrink_then_expand_matches_reference(dtype, pattern):
     assert torch.equal(y[slots == 0], y_before[slots == 0])
 
 
+def test_lora_expand_overwrite_writes_every_row():
+    # overwrite=True: the delta replaces y (slot-0 rows become zero), so y may hold garbage.
+    K, N, R, L = 64, 40, 16, 4
+    slots = _slots([0, 2, 1, 3, 0, 3, 1])
+    T = slots.numel()
+    a, b, scaling = _adapters(L, R, K, N, [16, 4, 8, 16], torch.float32)
+    x = torch.randn(T, K, device=DEV)
+    y = _nan((T, N), torch.float32)
+    t = _nan((T, R), torch.float32)
+    lora_shrink(x, a, slots, t)
+    lora_expand(t, b, slots, y, scaling, overwrite=True)
+    _close(y, lora_reference(x, a, b, slots, scaling), torch.float32)
+    assert torch.equal(y[slots == 0], torch.zeros_like(y[slots == 0]))
+
+
 @pytest.mark.parametrize("T", [1, 150])
 def test_lora_prefill_tile_size(T):
     # T=150 takes the BLOCK_T=64 path; adapters of different rank padded to 16.

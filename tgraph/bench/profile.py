@@ -6,6 +6,7 @@ Prints the device time of the captured step alone (graph replays), the time of t
 from __future__ import annotations
 
 import argparse
+import time
 
 import torch
 
@@ -45,6 +46,14 @@ def main() -> None:
           f"{len(engine.segments)} segments")
     print(f"  graph replay only: {time_ms(replay, iters=100):.3f} ms")
     print(f"  model.run (inputs + replay + logits): {time_ms(lambda: model.run(meta)):.3f} ms")
+    host = []
+    for _ in range(50):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.run(meta)
+        host.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    print(f"  host time of model.run (GPU idle before it): {sorted(host)[len(host) // 2]:.3f} ms")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(20):

@@ -42,6 +42,7 @@ from tgraph.ir.ops.fused_pointwise import (
     program_metas,
 )
 from tgraph.ir.shape import ShapeRuleError, broadcast_shapes
+from tgraph.kernels.triton.pdl import pdl_kwargs
 
 __all__ = [
     "PointwiseKernel", "cache_dir", "cache_size", "clear_cache", "compile_pointwise",
@@ -61,6 +62,8 @@ _TL_DTYPE = {torch.float32: "tl.float32", torch.float16: "tl.float16",
 _PRELUDE = '''\
 import triton
 import triton.language as tl
+
+from tgraph.kernels.triton.pdl import pdl_wait
 
 _NEG_INF = tl.constexpr(float("-inf"))
 
@@ -286,7 +289,7 @@ class _Codegen:
         # last dim is a multiple of 16 (at most two variants otherwise).
         dynamic = (["R"] if self.rowwise else []) + sizes \
             + [f"s{t}_{d}" for t in range(len(tensors)) for d in range(r - 2)]
-        constexprs = ["BLOCK: tl.constexpr"]
+        constexprs = ["BLOCK: tl.constexpr", "PDL: tl.constexpr"]
         if self.rowwise:
             constexprs.insert(0, "ROWS: tl.constexpr")
         else:
@@ -321,6 +324,7 @@ class _Codegen:
                 f"; ranks {list(self.key.ranks)}; outputs: "
                 f"{', '.join(str(d).replace('torch.', '') for d in self.out_dtypes)}\n")
         consts = ("\n".join(self.globals) + "\n\n") if self.globals else ""
+        body = ["pdl_wait(PDL)"] + body  # see tgraph.kernels.triton.pdl
         return (note + _PRELUDE + "\n" + consts + "\n" + head + "\n"
                 + "\n".join(f"    {line}" for line in body) + "\n")
 
@@ -500,13 +504,13 @@ class PointwiseKernel:
             num_rows = numel // n
             grid = (triton.cdiv(num_rows, rows),)
             self.fn[grid](*tensors, num_rows, n, *sizes, *strides, ROWS=rows, BLOCK=block,
-                          num_warps=warps)
+                          num_warps=warps, **pdl_kwargs(outputs[0]))
         else:
             flags = {f"C{t}": tuple(x.shape) == full and x.is_contiguous()
                      for t, x in enumerate(tensors)}
             grid = (triton.cdiv(numel, _FLAT_BLOCK),)
             self.fn[grid](*tensors, numel, n, *sizes, *strides, BLOCK=_FLAT_BLOCK, num_warps=4,
-                          **flags)
+                          **flags, **pdl_kwargs(outputs[0]))
         return tuple(outputs)
 
 

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor as _check_tensor
+from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["swiglu"]
 
@@ -35,7 +36,9 @@ def _swiglu_kernel(
     stride_out,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < M)[:, None] & (cols < N)[None, :]
@@ -91,5 +94,5 @@ def swiglu(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     grid = (triton.cdiv(m, rows), triton.cdiv(n, block_n))
     _swiglu_kernel[grid](
         gate_up, out, m, n, gate_up.stride(0), out.stride(0),
-        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps,
+        ROWS=rows, BLOCK_N=block_n, num_warps=num_warps, **pdl_kwargs(out),
     )  # fmt: skip

@@ -133,6 +133,9 @@ def _resolve_scale(op: str, scale: float | None, head_dim: int) -> float:
         return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, torch.Tensor) or not isinstance(scale, (int, float)):
         raise TypeError(f"{op}: scale must be a Python float or None, got {type(scale).__name__}")
+    if not scale > 0:
+        # The kernels track the running max of raw scores, which needs a positive scale.
+        raise ValueError(f"{op}: scale must be > 0, got {scale}")
     return float(scale)
 
 

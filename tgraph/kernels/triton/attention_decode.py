@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from tgraph.kernels.triton.attention_prefill import LOG2E, interpreter_needs_upcast
+from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 # A split should stream at least this many keys, otherwise the cost of writing and reducing its
 # partial state (D + 2 floats per query head) stops being small next to its reads.
@@ -113,7 +114,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -191,7 +194,9 @@ def _decode_split_kernel(
 def _decode_reduce_kernel(
     ws_acc_ptr, ws_ml_ptr, o_ptr, num_splits, num_q_heads, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
@@ -270,6 +275,7 @@ def launch_decode(
         UPCAST=interpreter_needs_upcast(q.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+        **pdl_kwargs(q),
     )
     if not direct:
         _decode_reduce_kernel[(batch, num_q_heads)](
@@ -277,6 +283,7 @@ def launch_decode(
             HEAD_DIM=head_dim,
             BLOCK_S=triton.next_power_of_2(num_splits),
             num_warps=4 if head_dim >= 128 else 2,
+            **pdl_kwargs(q),
         )
 
 

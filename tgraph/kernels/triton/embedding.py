@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor
+from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["embedding"]
 
@@ -43,7 +44,9 @@ def _embedding_kernel(
     stride_out,
     ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = (tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H))[None, :]
     row_ok = rows < T
@@ -96,5 +99,5 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> Non
     grid = (triton.cdiv(t, rows), triton.cdiv(h, block_h))
     _embedding_kernel[grid](
         ids, weight, out, t, v, h, ids.stride(0), weight.stride(0), out.stride(0),
-        ROWS=rows, BLOCK_H=block_h, num_warps=num_warps,
+        ROWS=rows, BLOCK_H=block_h, num_warps=num_warps, **pdl_kwargs(out),
     )  # fmt: skip

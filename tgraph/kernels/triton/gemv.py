@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
+
 __all__ = ["small_m_linear", "choose_config", "prefer_small_m", "workspace_size"]
 
 # SM count assumed when not running on CUDA (H100 SXM / H200 have 132 SMs).
@@ -54,7 +56,7 @@ def _small_m_linear_kernel(
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -73,7 +75,18 @@ def _small_m_linear_kernel(
 
     if BLOCK_M == 1:
         acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
+        first = k_start
+        if PDL:
+            # The weight is never written by an earlier kernel: stream its first tile while the
+            # previous kernel drains, then wait for the activations (see tgraph.kernels.triton.pdl).
+            offs_k = k_start + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < k_end
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            pdl_wait(PDL)
+            xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+            acc2 += w.to(tl.float32) * xv.to(tl.float32)
+            first = k_start + BLOCK_K
+        for k0 in range(first, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < k_end
             w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
@@ -81,6 +94,7 @@ def _small_m_linear_kernel(
             acc2 += w.to(tl.float32) * xv.to(tl.float32)
         acc = tl.sum(acc2, axis=1)[None, :]
     elif BLOCK_M < 16:
+        pdl_wait(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -90,6 +104,7 @@ def _small_m_linear_kernel(
             prod = xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
             acc += tl.sum(prod, axis=2)
     else:
+        pdl_wait(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(k_start, k_end, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -121,8 +136,9 @@ def _split_k_reduce_kernel(
     ws_ptr, bias_ptr, res_ptr, out_ptr,
     M, N, split_k,
     stride_rm, stride_om,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -323,6 +339,7 @@ def small_m_linear(
     f32_dot = _use_f32_dot(x.dtype)
     if num_stages is None:
         num_stages = 3 if block_m >= 16 or K >= 4096 else 2
+    pdl = pdl_kwargs(x)
 
     if split == 1:
         _small_m_linear_kernel[(triton.cdiv(N, block_n), 1, grid_m)](
@@ -333,7 +350,7 @@ def small_m_linear(
             residual.stride(0) if residual is not None else 0, out.stride(0),
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_PARTIAL=False,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=f32_dot,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **pdl,
         )
         return out
 
@@ -353,13 +370,13 @@ def small_m_linear(
         x.stride(0), weight.stride(0), 0, out.stride(0),
         HAS_BIAS=False, HAS_RES=False, WRITE_PARTIAL=True,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=f32_dot,
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     _split_k_reduce_kernel[(triton.cdiv(N, _REDUCE_BLOCK_N), M)](
         workspace, bias if bias is not None else out, residual if residual is not None else out, out,
         M, N, split,
         residual.stride(0) if residual is not None else 0, out.stride(0),
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_N=_REDUCE_BLOCK_N,
-        num_warps=4,
+        num_warps=4, **pdl,
     )
     return out

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
+
 __all__ = ["lora_segments", "lora_shrink", "lora_expand"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,7 +63,9 @@ def _lora_shrink_kernel(
     stride_xt, stride_al, stride_ar, stride_ot,
     HAS_SCALE: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     slot, row0, row_end = _tile_of_program(seg_ptr, pid, L, BLOCK_T, BLOCK_L)
     if slot < L:
@@ -98,13 +102,24 @@ def _lora_expand_kernel(
     t_ptr, b_ptr, order_ptr, seg_ptr, scale_ptr, y_ptr,
     N, R, L, col_off,
     stride_tt, stride_bl, stride_bn, stride_yt,
-    F32_DOT: tl.constexpr,
+    F32_DOT: tl.constexpr, OVERWRITE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     pid = tl.program_id(0)
     pid_n = tl.program_id(1)
     slot, row0, row_end = _tile_of_program(seg_ptr, pid, L, BLOCK_T, BLOCK_L)
-    # Slot 0 tokens keep y as it is: nothing to do.
+    if OVERWRITE & (slot == 0):
+        # No adapter: the delta of these rows is zero.
+        offs_t = row0 + tl.arange(0, BLOCK_T)
+        mask_t = offs_t < row_end
+        tok = tl.load(order_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y_ptrs = y_ptr + tok[:, None] * stride_yt + col_off + offs_n[None, :]
+        tl.store(y_ptrs, tl.zeros((BLOCK_T, BLOCK_N), dtype=y_ptr.dtype.element_ty),
+                 mask=mask_t[:, None] & (offs_n < N)[None, :])
+    # Without OVERWRITE, slot 0 tokens keep y as it is: nothing to do.
     if (slot > 0) & (slot < L):
         offs_t = row0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < row_end
@@ -126,8 +141,9 @@ def _lora_expand_kernel(
         acc *= tl.load(scale_ptr + slot).to(tl.float32)
         y_ptrs = y_ptr + tok[:, None] * stride_yt + col_off + offs_n[None, :]
         mask_y = mask_t[:, None] & mask_n[None, :]
-        yv = tl.load(y_ptrs, mask=mask_y, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, (yv + acc).to(y_ptr.dtype.element_ty), mask=mask_y)
+        if not OVERWRITE:
+            acc += tl.load(y_ptrs, mask=mask_y, other=0.0).to(tl.float32)
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
 
 
 def lora_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -259,7 +275,7 @@ def lora_shrink(
         x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
         HAS_SCALE=scaling is not None, F32_DOT=_use_f32_dot(x.dtype),
         BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=triton.next_power_of_2(L),
-        num_warps=4,
+        num_warps=4, **pdl_kwargs(x),
     )
     return out
 
@@ -272,6 +288,7 @@ def lora_expand(
     scaling: torch.Tensor,
     column_offset: int = 0,
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    overwrite: bool = False,
 ) -> torch.Tensor:
     """``y[t, off:off+N] += scaling[s] * (t[t] @ lora_b[s].T)``, ``s = token_slots[t]``, slot 0 skipped.
 
@@ -286,6 +303,8 @@ def lora_expand(
         scaling: fp32 ``[L]`` per-slot scale (``alpha / rank``).
         column_offset: first column of ``y`` this adapter writes.
         segments: ``lora_segments(token_slots, L)``, computed here when omitted.
+        overwrite: write the delta instead of adding it (slot-0 rows get zeros), so ``y``
+            needs no zeroing beforehand.
 
     Returns:
         ``y``.
@@ -322,8 +341,8 @@ def lora_expand(
         t, lora_b, order, seg_start, scaling, y,
         N, R, L, column_offset,
         t.stride(0), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        F32_DOT=_use_f32_dot(lora_b.dtype),
+        F32_DOT=_use_f32_dot(lora_b.dtype), OVERWRITE=bool(overwrite),
         BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_L=triton.next_power_of_2(L),
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_kwargs(y),
     )
     return y

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor as _check_tensor
+from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["rms_norm", "add_rms_norm"]
 
@@ -49,7 +50,9 @@ def _rms_norm_kernel(
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_mask = (rows < M)[:, None]
     # int64: row * stride overflows int32 for large activations.
@@ -152,7 +155,7 @@ def _launch(x, residual, weight, eps, out, residual_out, has_residual: bool) -> 
         m, n, float(eps),
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
         HAS_RESIDUAL=has_residual, ROWS=rows, BLOCK_N=block_n, SINGLE_PASS=single_pass,
-        num_warps=num_warps,
+        num_warps=num_warps, **pdl_kwargs(out),
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor as _check_tensor
+from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["rope", "rope_and_cache", "reshape_and_cache"]
 
@@ -170,7 +171,9 @@ def _rope_cache_kernel(
     BLOCK_HALF: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    pdl_wait(PDL)
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     if HALF > 0:
@@ -223,7 +226,9 @@ def _config(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[int, int, i
     max_heads = max(1, _TARGET_TILE // triton.next_power_of_2(head_dim))
     block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
     block_hk = min(triton.next_power_of_2(max(n_kv_heads, 1)), max_heads)
-    return block_hq, block_hk, 4
+    # 2 warps: more small programs resident per SM kept more bytes in flight (H200 sweep,
+    # tgraph.bench.tune_attention: 72% -> 80% of copy bandwidth at 4096 tokens, 32/8 heads).
+    return block_hq, block_hk, 2
 
 
 
@@ -301,7 +306,7 @@ def _launch(
         HALF=half, D=d, INTERLEAVED=interleaved, WRITE_K_OUT=write_k_out, WRITE_CACHE=write_cache,
         BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if d > 2 * half else 0,
-        BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps,
+        BLOCK_D=triton.next_power_of_2(d), num_warps=num_warps, **pdl_kwargs(q),
     )  # fmt: skip
 
 
