@@ -146,3 +146,35 @@ def test_bench_subcommand_refuses_clearly_without_cuda(capsys: pytest.CaptureFix
         pytest.skip("this checks the message shown without CUDA")
     assert main(["bench", "models", "--presets", "llama-3.2-1b"]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_generate_under_single_rank_torchrun(model_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """``torchrun --nproc-per-node 1`` is a plain run: no process group, normal output."""
+    for name, value in {"WORLD_SIZE": "1", "RANK": "0", "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(name, value)
+    rc = main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "2",
+               "--no-chat", "--graph", "eager", "--ignore-eos", "--max-model-len", "64",
+               "--set", "llm.cache.num_blocks=32"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert captured.out and "[2 tokens" in captured.err
+
+
+def test_generate_refuses_an_incomplete_torchrun_env(model_dir: Path,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """Two ranks announced but no rendezvous address: a clear error naming the rank, no hang."""
+    from tgraph.nn import distributed
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for name in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    rc = main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "2",
+               "--set", "llm.model.device=cpu", "--dist-timeout", "5"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == ""
+    assert "tgraph: error: [rank 0 of 2] environment variable MASTER_PORT is not set" \
+        in captured.err
+    assert not distributed.is_initialized()

@@ -238,6 +238,15 @@ ERROR_CASES: list[tuple[Any, str]] = [
        "replace": {"class": "default", "kwargs": {"mode": "x"}}}],  # scale is required
      "rule 0.replace.kwargs: Configurable.configure does not accept"),
     ([{"match": {"name": "x"}, "recursive": "no"}], "rule 0.recursive: expected true or false"),
+    ([{"match": {"name": "x"}, "replace": {"class": "default", "kwargs": {"device": "cuda:99"}}}],
+     "rule 0.replace.kwargs.device: device 'cuda:99' does not exist"),
+    ([{"match": {"name": "x"}},
+      {"match": {"name": "y"}, "replace": {"class": LWB, "kwargs": {"backend": "cublas",
+                                                                    "device": "gpu"}}}],
+     "rule 1.replace.kwargs.device: invalid device 'gpu'"),
+    ([{"match": {"class": "tgraph.layers.attention.Attention"},
+       "replace": {"class": "default", "kwargs": {"backend": "flash"}}}],
+     "rule 0.replace.kwargs: attention backend must be one of ['sdpa', 'triton'], got 'flash'"),
 ]
 
 
@@ -357,6 +366,42 @@ def test_cli_dry_run(llama_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixt
     unused.write_text("- match: {name: '^no_such_module$'}\n")
     assert main(["rules", "--model", str(model_dir), "--rules", str(unused)]) == 0
     assert "WARNING: injection rule 0" in capsys.readouterr().out
+
+
+def test_device_kwarg_places_replaced_and_kept_modules() -> None:
+    model = tree()
+    rules = load_rules([
+        {"match": {"name": r"^blocks\.1$"}, "replace": {"class": "default",
+                                                        "kwargs": {"device": "cpu:1"}}},
+        {"match": {"name": r"up_proj$"}, "replace": {"class": LWB, "kwargs": {
+            "backend": "cublas", "device": "cpu:2"}}},
+    ])
+    assert rules[0].kwargs == {} and rules[0].device == "cpu:1"
+    apply_rules(model, rules)
+    assert model.blocks[1].placement == "cpu:1"
+    assert model.blocks[1].attn.q_proj.placement == "cpu:1"  # a child follows its parent
+    up = model.get_submodule("blocks.1.mlp.up_proj")
+    assert isinstance(up, LinearWithBackend) and up.backend == "cublas"
+    assert up.placement == "cpu:2"  # a rule of its own wins
+    assert model.blocks[0].placement == "cpu:0" and model.placement == "cpu:0"  # the root's
+
+
+def test_no_device_rule_leaves_modules_unplaced() -> None:
+    model = tree()
+    apply_rules(model, load_rules([{"match": {"name": "_proj$"}, "replace": {"class": LWB}}]))
+    assert all(m.placement is None for m in model.modules())
+
+
+def test_cli_dry_run_of_a_gpu_rule_file(llama_dir: Path, capsys: pytest.CaptureFixture[str]
+                                        ) -> None:
+    # Checked for spelling only: the file is meant for a 2-GPU machine, this may have none.
+    rules_file = Path(__file__).parents[1] / "configs" / "rules" / "two_gpus.yaml"
+    assert main(["rules", "--model", str(llama_dir), "--rules", str(rules_file)]) == 0
+    out = capsys.readouterr().out
+    norm = next(line for line in out.splitlines() if line.startswith("model.norm "))
+    assert "rule 1: name~" in norm and "device='cuda:1'" in norm
+    # The tiny model has 3 layers: rule 0 (layers 8-15) matches nothing, and says so.
+    assert "WARNING: injection rule 0" in out
 
 
 def test_cli_bad_rules_fail_before_the_model(tmp_path: Path,

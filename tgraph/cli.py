@@ -1,10 +1,18 @@
-"""The ``tgraph`` command line: ``generate``, ``check-model``, ``rules``, ``bench``, ``demo``."""
+"""The ``tgraph`` command line: ``generate``, ``check-model``, ``rules``, ``bench``, ``demo``.
+
+Tensor parallelism: ``torchrun --nproc-per-node N -m tgraph generate ...`` runs the command on
+every rank (the model split N ways); only rank 0 prints. An error on any rank is printed with
+its rank and ends that process at once with a nonzero status, which makes torchrun stop the
+others (the process-group timeout, ``--dist-timeout``, bounds the wait if it cannot).
+"""
 from __future__ import annotations
 
 import argparse
 import contextlib
 import logging
+import os
 import sys
+import traceback
 from typing import Sequence
 
 from tgraph.errors import TGraphError
@@ -58,7 +66,9 @@ def _generate(args: argparse.Namespace) -> int:
         loras[name] = path
     llm = LLM(args.model, args.config, max_model_len=args.max_model_len,
               module_map=args.module_map, settings_overrides=_settings_overrides(args),
-              loras=loras)
+              loras=loras, dist_timeout=args.dist_timeout)
+    # Under tensor parallelism every rank generates; rank 0 alone reports.
+    report = llm.rank == 0
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             repetition_penalty=args.repetition_penalty, stop=args.stop or [],
@@ -66,10 +76,16 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = args.prompt
     chat = not args.no_chat
     if args.dump_tensors:
-        llm.model._graph_state().dump_dir = args.dump_tensors
-    with _profiled(args.profile):
+        # Each rank holds its own shards' intermediates: one sub-directory per rank.
+        dump = args.dump_tensors
+        if llm.world_size > 1:
+            dump = os.path.join(dump, f"rank{llm.rank}")
+        llm.model._graph_state().dump_dir = dump
+    with _profiled(args.profile if report else None):
         if len(prompts) == 1:
             for event in llm.stream(prompts[0], params, chat=chat):
+                if not report:
+                    continue
                 print(event.text, end="", flush=True)
                 if event.finished:
                     out = event.output
@@ -77,9 +93,10 @@ def _generate(args: argparse.Namespace) -> int:
                           f"finish: {out.finish_reason}]", file=sys.stderr)
         else:
             outputs = llm.generate(prompts, params, chat=chat)
-            for prompt, out in zip(prompts, outputs):
+            for prompt, out in zip(prompts, outputs if report else []):
                 print(f"### {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, "
                       f"finish: {out.finish_reason}]")
+    llm.close()
     return 0
 
 
@@ -130,9 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
                      help="load a PEFT LoRA adapter (repeatable)")
     gen.add_argument("--use-lora", metavar="NAME", help="adapter the prompts use")
     gen.add_argument("--rules", metavar="FILE", help="YAML injection rules (see configs/rules/)")
-    gen.add_argument("--profile", metavar="FILE", help="write a Chrome trace (torch profiler)")
+    gen.add_argument("--profile", metavar="FILE",
+                     help="write a Chrome trace (torch profiler; rank 0 under torchrun)")
     gen.add_argument("--dump-tensors", metavar="DIR",
                      help="write the named intermediates of the first step of each engine")
+    gen.add_argument("--dist-timeout", type=float, metavar="SECONDS",
+                     help="under torchrun: how long a rank waits for the others in a collective "
+                          "before failing (default 300)")
     _add_settings(gen)
     gen.set_defaults(func=_generate)
 
@@ -167,13 +188,61 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
+    ranks = _torchrun_ranks()
+    prefix = f"[rank {ranks[0]}] " if ranks else ""
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(name)s: %(message)s")
+                        format=f"{prefix}%(name)s: %(message)s")
+    if ranks:
+        return _run_rank(args, *ranks)
     try:
         return args.func(args)
     except TGraphError as err:
         print(f"tgraph: error: {err}", file=sys.stderr)
         return 2
+
+
+def _torchrun_ranks() -> tuple[int, int] | None:
+    """``(rank, world_size)`` when torchrun launched more than one rank, else ``None``."""
+    try:
+        world_size, rank = int(os.environ.get("WORLD_SIZE") or 1), int(os.environ.get("RANK") or 0)
+    except ValueError:
+        return None  # joining the group refuses the bad variable with a clear error
+    return (rank, world_size) if world_size > 1 else None
+
+
+def _run_rank(args: argparse.Namespace, rank: int, world_size: int) -> int:
+    """Run the command as one tensor-parallel rank: stdout only on rank 0; any error is printed
+    with the rank and ends the process at once, nonzero.
+
+    NOTE: once the process group exists, ``os._exit`` skips the interpreter's shutdown, where
+    tearing down a group whose peers still wait in a collective can block; torchrun sees the
+    exit and stops the other ranks.
+    """
+    quiet = open(os.devnull, "w") if rank != 0 else None
+    try:
+        with contextlib.redirect_stdout(quiet) if quiet else contextlib.nullcontext():
+            return args.func(args)
+    except Exception as err:
+        where = f"[rank {rank} of {world_size}]"
+        if isinstance(err, TGraphError):
+            print(f"tgraph: error: {where} {err}", file=sys.stderr)
+            code = 2
+        else:
+            print(f"tgraph: error: {where} {type(err).__name__}: {err}", file=sys.stderr)
+            traceback.print_exc(file=sys.stderr)
+            print(f"tgraph: {where} if a collective failed or timed out, another rank may have "
+                  "failed first (its error is the cause) or be stuck", file=sys.stderr)
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        from tgraph.nn import distributed
+
+        if distributed.is_initialized():
+            os._exit(code)
+        return code
+    finally:
+        if quiet is not None:
+            quiet.close()
 
 
 if __name__ == "__main__":

@@ -144,6 +144,9 @@ SCHEMA: dict[str, Any] = {
             "graph": Field(_choice("static", "eager"),
                            "static: capture, fuse and build engines; eager: run ops one by one"),
             "cuda_graph": Field(_bool(), "capture decode steps into CUDA graphs (static only)"),
+            "capture_collectives": Field(
+                _bool(), "tensor parallel on NCCL: put all-reduce/all-gather inside the CUDA "
+                "graphs (one graph per decode step); false runs them between graphs"),
             "batch_buckets": Field(_increasing_ints(), "decode batch sizes given a CUDA graph"),
             "disabled_passes": Field(_strings(), "names of graph passes to skip"),
             "rules": Field(_rules(), "extra fusion rules (path or inline), or null"),

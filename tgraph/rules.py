@@ -16,6 +16,12 @@ A rule file is a YAML list; each rule says which modules it matches and what bec
   be left out (``default``, no kwargs): with ``recursive: false`` such a rule fences a subtree.
 * Rules are tried in file order and the first match wins; the module tree is walked top-down, so
   a replaced module's children are visited next (unless the rule says ``recursive: false``).
+* ``kwargs.device`` (``"cuda:1"``, or ``"cpu:1"``: CPU labels simulate devices) is understood for
+  every module and never passed on: the module (replaced or kept) and the children that no rule
+  places elsewhere run on that device, their weights move there, their KV caches are allocated
+  there, and the engine copies values across device boundaries (``to_device`` steps). Modules no
+  rule places stay on their parent's device, the root on the model's device, which is also where
+  the batch inputs are expected and the logits come back.
 
 :func:`load_rules` checks everything it can before a model exists (keys, regexes, imports, the
 kwargs against ``from_module`` / ``configure``), so a typo fails in a second, not after minutes of
@@ -32,13 +38,14 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from tgraph.errors import ConfigError, TGraphError
+from tgraph.ir.ops.transfer import check_placement_exists, normalize_placement
 from tgraph.layers.linear import LinearBase, RowParallelLinear
 from tgraph.nn import functional as F
-from tgraph.nn.module import Module
+from tgraph.nn.module import Module, apply_placement
 from tgraph.nn.tensor import Tensor
 
 __all__ = ["DEFAULT", "LinearWithBackend", "Rule", "apply_rules", "dry_run", "format_matches",
-           "load_rules"]
+           "load_rules", "predict_placement"]
 
 DEFAULT = "default"
 _RULE_KEYS = ("match", "replace", "recursive")
@@ -55,8 +62,9 @@ class Rule:
         name: compiled ``match.name`` regex, or ``None``.
         match_class: the ``match.class`` class, or ``None``.
         replace_class: the replacement class, or ``None`` for ``"default"``.
-        kwargs: ``replace.kwargs``.
+        kwargs: ``replace.kwargs`` without ``device``.
         recursive: whether rules still visit the children of a module this rule matched.
+        device: the normalised ``replace.kwargs.device`` label, or ``None``.
     """
 
     index: int
@@ -65,6 +73,7 @@ class Rule:
     replace_class: type | None
     kwargs: dict[str, Any] = field(default_factory=dict)
     recursive: bool = True
+    device: str | None = None
 
     def matches(self, name: str, module: Module) -> bool:
         """Whether every given ``match`` key holds for ``module`` at dotted path ``name``."""
@@ -80,7 +89,8 @@ class Rule:
         if self.match_class is not None:
             parts.append(f"class={self.match_class.__name__}")
         target = self.replace_class.__name__ if self.replace_class is not None else DEFAULT
-        args = ", ".join(f"{k}={v!r}" for k, v in self.kwargs.items())
+        kwargs = dict(self.kwargs, **({"device": self.device} if self.device else {}))
+        args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
         text = f"{' & '.join(parts)} -> {target}({args})"
         return text if self.recursive else text + " [not recursive]"
 
@@ -146,7 +156,26 @@ def _check_call(fn: Callable[..., Any], kwargs: Mapping[str, Any], what: str, wh
                            f"(signature {sig})") from None
 
 
-def _parse_rule(raw: Any, index: int) -> Rule:
+def _parse_device(value: Any, where: str, check_exists: bool) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, f"expected a device string like 'cuda:1' or 'cpu:1', got {value!r}")
+    try:
+        return check_placement_exists(value) if check_exists else normalize_placement(value)
+    except (ValueError, TypeError) as err:
+        raise _fail(where, str(err)) from None
+
+
+def _check_values(cls: type, kwargs: Mapping[str, Any], where: str) -> None:
+    """The optional ``check_kwargs`` hook: values, not just names, checked before loading."""
+    check = getattr(cls, "check_kwargs", None)
+    if callable(check):
+        try:
+            check(**kwargs)
+        except (ValueError, TypeError) as err:
+            raise _fail(where, str(err)) from None
+
+
+def _parse_rule(raw: Any, index: int, check_devices: bool = True) -> Rule:
     where = f"rule {index}"
     raw = _check_keys(raw, _RULE_KEYS, where)
     if "match" not in raw:
@@ -176,6 +205,10 @@ def _parse_rule(raw: Any, index: int) -> Rule:
         raise _fail(f"{where}.replace.kwargs", f"expected a mapping of argument names to "
                                                f"values, got {kwargs!r}")
     kwargs = dict(kwargs)
+    device = None
+    if "device" in kwargs:
+        device = _parse_device(kwargs.pop("device"), f"{where}.replace.kwargs.device",
+                               check_devices)
 
     replace_class = None
     if class_path == DEFAULT:
@@ -188,6 +221,7 @@ def _parse_rule(raw: Any, index: int) -> Rule:
                             f"kwargs to its configure(), but {match_class.__name__} has none")
             _check_call(configure, kwargs, f"{match_class.__name__}.configure",
                         f"{where}.replace.kwargs", leading=1)
+            _check_values(match_class, kwargs, f"{where}.replace.kwargs")
     else:
         replace_class = _import_class(class_path, f"{where}.replace.class")
         from_module = getattr(replace_class, "from_module", None)
@@ -196,24 +230,23 @@ def _parse_rule(raw: Any, index: int) -> Rule:
                                                   f"**kwargs) classmethod")
         _check_call(from_module, kwargs, f"{replace_class.__name__}.from_module",
                     f"{where}.replace.kwargs", leading=1)
-        check = getattr(replace_class, "check_kwargs", None)
-        if callable(check):  # optional hook: values, not just names, checked before loading
-            try:
-                check(**kwargs)
-            except (ValueError, TypeError) as err:
-                raise _fail(f"{where}.replace.kwargs", str(err)) from None
+        _check_values(replace_class, kwargs, f"{where}.replace.kwargs")
 
     recursive = raw.get("recursive", True)
     if not isinstance(recursive, bool):
         raise _fail(f"{where}.recursive", f"expected true or false, got {recursive!r}")
-    return Rule(index, pattern, match_class, replace_class, kwargs, recursive)
+    return Rule(index, pattern, match_class, replace_class, kwargs, recursive, device)
 
 
-def load_rules(source: str | Path | Sequence[Mapping[str, Any]]) -> list[Rule]:
+def load_rules(source: str | Path | Sequence[Mapping[str, Any]], *,
+               check_devices: bool = True) -> list[Rule]:
     """Read and validate injection rules.
 
     Args:
         source: a YAML file path, or the already-parsed list of rule mappings.
+        check_devices: refuse ``kwargs.device`` values this machine does not have (``cuda:3``
+            on a 2-GPU machine, any ``cuda`` without CUDA); ``False`` only checks the spelling
+            (a dry run of a GPU rule file on a laptop).
 
     Returns:
         The rules, in file order.
@@ -240,7 +273,7 @@ def load_rules(source: str | Path | Sequence[Mapping[str, Any]]) -> list[Rule]:
         raw = source
     if not isinstance(raw, (list, tuple)):
         raise ConfigError(f"rules: expected a list of rules, got {type(raw).__name__}")
-    return [_parse_rule(r, i) for i, r in enumerate(raw)]
+    return [_parse_rule(r, i, check_devices) for i, r in enumerate(raw)]
 
 
 # ---------------------------------------------------------------------------------- applying
@@ -280,6 +313,10 @@ def apply_rules(model: Module, rules: Sequence[Rule], *, warn_unused: bool = Tru
     object is visited once: one reached again (shared under a second name, or kept as a child
     of its own replacement) is left alone.
 
+    When a rule placed a module on a device (``kwargs.device``), every module then gets a
+    placement (its parent's unless a rule said otherwise; the root the model's device) and every
+    weight is moved to its module's device (see :func:`tgraph.nn.module.apply_placement`).
+
     Args:
         model: the root module (e.g. what :func:`tgraph.models.load_model` returns).
         rules: from :func:`load_rules`.
@@ -316,16 +353,62 @@ def apply_rules(model: Module, rules: Sequence[Rule], *, warn_unused: bool = Tru
                 model.set_submodule(name, new)
                 seen.add(id(new))
                 keep_alive.append(new)
+            if rule.device is not None:
+                new.place(rule.device)
             if rule.recursive:
                 visit(new, name)
 
     visit(model, "")
+    if any(r.device is not None and r.index in used for r in rules):
+        for message in apply_placement(model, model_device(model)):
+            warnings.warn(message, stacklevel=2)
     if warn_unused:
         for r in rules:
             if r.index not in used:
                 warnings.warn(f"injection rule {r.index} ({r.describe()}) matched no module",
                               stacklevel=2)
     return results
+
+
+def model_device(model: Module) -> str:
+    """The placement label of a model as a whole: its configured device (``llm_config``),
+    else the device of its first weight, else the CPU."""
+    llm_config = getattr(model, "llm_config", None)
+    if llm_config is not None and getattr(llm_config, "device", None) is not None:
+        return normalize_placement(llm_config.device)
+    for p in model.parameters():
+        if p.data is not None:
+            return normalize_placement(p.data.device)
+    return "cpu:0"
+
+
+def predict_placement(rules: Sequence[Rule], tensor_name: str) -> str | None:
+    """The device a checkpoint tensor will be placed on, guessed from the rules' names alone.
+
+    The weight loader uses it to read a tensor straight onto its device. Each dotted prefix of
+    the name (``model``, ``model.layers``, ``model.layers.3``, ...) is tried as a module name,
+    top-down, as :func:`apply_rules` does; rules with ``match.class`` are skipped (no module
+    exists yet). A wrong guess costs a copy when the rules are applied, nothing else.
+
+    Args:
+        rules: from :func:`load_rules`.
+        tensor_name: e.g. ``model.layers.17.mlp.down_proj.weight``.
+
+    Returns:
+        A placement label, or ``None`` (the model's device).
+    """
+    parts = tensor_name.split(".")
+    device = None
+    for end in range(1, len(parts)):
+        prefix = ".".join(parts[:end])
+        rule = next((r for r in rules if r.match_class is None and r.matches(prefix, None)), None)
+        if rule is None:
+            continue
+        if rule.device is not None:
+            device = rule.device
+        if not rule.recursive:
+            break
+    return device
 
 
 def format_matches(matches: Sequence[tuple[str, int | None]], rules: Sequence[Rule]) -> str:
@@ -439,7 +522,7 @@ def dry_run(model_dir: str | Path, rules: str | Path | Sequence[Mapping[str, Any
     from tgraph.models.base.weight_loader import SafetensorFileLoader
     from tgraph.models.registry import load_module_map, resolve_model_class
 
-    parsed = load_rules(rules)
+    parsed = load_rules(rules, check_devices=False)  # a GPU rule file may be checked anywhere
     if module_map is not None:
         load_module_map(module_map)
     config = ModelConfig.from_dir(model_dir)

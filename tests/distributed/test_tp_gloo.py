@@ -4,7 +4,8 @@ The 2-process tests launch ``tp_worker.py`` once with torchrun (gloo, CPU, a fre
 what each rank wrote; meanwhile this process computes the single-process (``world_size=1``)
 reference. One launch covers: collective ops on rank-dependent inputs, the cross-rank config
 check, Llama parity at ``world_size=2`` in both graph modes (with KV heads split and with one KV
-head replicated), and a rank that fails while the other waits in a collective. The launch is
+head replicated), the all-reduce + add + RMSNorm fusion (fused == unfused on both backends, and
+in the models), and a rank that fails while the other waits in a collective. The launch is
 joined with a timeout, so a hung worker fails the test instead of hanging the suite.
 
 In-process tests cover the refusals (sizes not divisible by the world size, more ranks than
@@ -15,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,12 +26,17 @@ import pytest
 import torch
 
 import tgraph.ir.ops.collective  # noqa: F401  (registers the ops until ir/ops/__init__ does)
+from tests.distributed.launch import free_port
 from tests.distributed.tp_worker import (
     BLOCKS_PER_SEQ,
     DELIBERATE_FAILURE,
+    FUSION_BACKENDS,
+    FUSION_EPS,
+    FUSION_VARIANTS,
     MAX_MODEL_LEN,
     PROMPTS,
     collective_inputs,
+    fusion_inputs,
     generate,
 )
 from tgraph.errors import ConfigError, RecordError
@@ -83,12 +88,6 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 # ---- launching ----------------------------------------------------------------------------------
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def start_torchrun(out: Path, worker_args: list[str], nproc: int = 2) -> subprocess.Popen:
     """Start ``tp_worker.py`` under torchrun in its own session (so a hang can be killed)."""
@@ -159,7 +158,7 @@ def tp_run(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
     out = tmp_path_factory.mktemp("tp_out")
     args = [arg for name, path in checkpoints.items() for arg in ("--model", f"{name}={path}")]
     proc = start_torchrun(out, [*args, "--modes", ",".join(MODES), "--steps", str(STEPS),
-                                "--fail-at-end"])
+                                "--fusion", "--fail-at-end"])
     try:
         # The reference runs while the workers do.
         reference = {(name, mode): single_process_run(path, mode, STEPS)
@@ -211,16 +210,96 @@ def test_world_size_2_matches_world_size_1(tp_run: TPRun, name: str, mode: str) 
             assert torch.equal(ranks[0][key], ranks[1][key]), f"{key}: ranks disagree"
 
 
-def test_collective_ops(tp_run: TPRun) -> None:
+@pytest.mark.parametrize("prefix", ["collective_", "collective_triton_"],
+                         ids=["reference", "triton_kernels"])
+def test_collective_ops(tp_run: TPRun, prefix: str) -> None:
     inputs = [collective_inputs(r) for r in range(2)]
     for r in range(2):
         got = tp_run.rank_tensors(r)
         # Exact: small integers in fp32.
-        assert torch.equal(got["collective_reduced"], inputs[0] + inputs[1]), f"rank {r}"
-        assert torch.equal(got["collective_gathered_last"], torch.cat(inputs, dim=-1)), \
+        assert torch.equal(got[f"{prefix}reduced"], inputs[0] + inputs[1]), f"rank {r}"
+        assert torch.equal(got[f"{prefix}gathered_last"], torch.cat(inputs, dim=-1)), \
             f"rank {r}"
-        assert torch.equal(got["collective_gathered_first"], torch.cat(inputs, dim=0)), \
+        assert torch.equal(got[f"{prefix}gathered_first"], torch.cat(inputs, dim=0)), \
             f"rank {r}"
+
+
+# ---- all-reduce + add + RMSNorm fusion -----------------------------------------------------------
+
+def _fusion_expected(variant: str) -> dict[str, torch.Tensor]:
+    """fp64 reference: every rank's partial summed, the residual added, then RMSNorm."""
+    ranks = [{k: v.double() for k, v in fusion_inputs(r).items()} for r in range(2)]
+    partial = [t["p"] if variant == "input" else t["x"] @ t["w"].T for t in ranks]
+    reduced = partial[0] + partial[1]
+    summed = ranks[0]["residual"] + reduced
+    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + FUSION_EPS)
+    out = {"normed": ranks[0]["g"] * normed, "summed": summed}
+    if variant == "read_elsewhere":
+        out["reduced"] = reduced
+    return out
+
+
+@pytest.mark.parametrize("backend", FUSION_BACKENDS)
+@pytest.mark.parametrize("variant", FUSION_VARIANTS)
+def test_fused_all_reduce_add_rms_norm_matches_unfused(tp_run: TPRun, variant: str,
+                                                       backend: str) -> None:
+    expected = _fusion_expected(variant)
+    for r in range(2):
+        got = tp_run.rank_tensors(r)
+        for name, want in expected.items():
+            fused = got[f"fusion_{variant}_{backend}_fused_{name}"]
+            unfused = got[f"fusion_{variant}_{backend}_unfused_{name}"]
+            # fp32 vs the fp64 reference: a 32-term dot product, a 2-term reduction and a norm.
+            torch.testing.assert_close(fused.double(), want, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"rank {r} {name}: {m}")
+            # Bitwise: the fused op runs the same kernels in the same order (its add is
+            # reduced + residual instead of residual + reduced, which is exact in IEEE).
+            assert torch.equal(fused, unfused), f"rank {r} {variant}/{backend} {name}"
+
+
+def test_fusion_structure(tp_run: TPRun) -> None:
+    for r in range(2):
+        report = tp_run.rank_report(r)["fusion"]
+        for backend in FUSION_BACKENDS:
+            for variant in FUSION_VARIANTS:
+                unfused = report[f"fusion_{variant}_{backend}_unfused"]
+                assert unfused["matches"] == 0 and unfused["in_place"] == []
+                assert all(report[f"fusion_{variant}_{backend}_{k}"]["inputs_unchanged"]
+                           for k in ("fused", "unfused")), f"{variant}/{backend} wrote an input"
+            fused = {v: report[f"fusion_{v}_{backend}_fused"] for v in FUSION_VARIANTS}
+            # The linear's output is dead after the collective: reduced in place.
+            assert fused["linear"]["matches"] == 1 and fused["linear"]["in_place"] == [True]
+            # The reduced value is a marked output: the fusion would remove it, so it refuses.
+            assert fused["read_elsewhere"]["matches"] == 0
+            # A graph input must never be overwritten: fused, but copied before reducing.
+            assert fused["input"]["matches"] == 1 and fused["input"]["in_place"] == [False]
+        assert report["fusion_linear_triton_fused"]["kernels"] == \
+            ["triton.all_reduce_add_rms_norm"]
+        assert report["fusion_linear_triton_unfused"]["kernels"] == ["triton.all_reduce"]
+
+
+@pytest.mark.parametrize("name", ["split", "replicated"])
+def test_fused_model_matches_unfused(tp_run: TPRun, name: str) -> None:
+    layers = 2
+    for r in range(2):
+        tensors = tp_run.rank_tensors(r)
+        for i in range(STEPS + 1):
+            # Reference kernels on CPU: the fused op is the composition of the unfused ones.
+            assert torch.equal(tensors[f"{name}_static_step{i}"],
+                               tensors[f"{name}_static_unfused_step{i}"]), f"rank {r} step {i}"
+        engines = tp_run.rank_report(r)["engines"]
+        for kind in ("prefill", "decode"):
+            fused = engines[f"{name}_static"][kind]
+            unfused = engines[f"{name}_static_unfused"][kind]
+            # Each layer's o_proj and down_proj all-reduce meet a residual add and a norm.
+            assert fused["fusion_matches"] == 2 * layers
+            assert fused["fused_in_place"] == [True] * (2 * layers)
+            assert unfused["fusion_matches"] == 0
+            ops = [op for op, _, _ in fused["collectives"]]
+            assert ops.count("all_reduce_add_rms_norm") == 2 * layers
+            assert ops.count("all_reduce") == 1  # the embedding's, read by a norm and an add
+            # gloo collectives run on the host, never inside a CUDA graph.
+            assert not any(cap or in_graph for _, cap, in_graph in fused["collectives"])
 
 
 def test_check_same_config_across_ranks(tp_run: TPRun) -> None:
@@ -229,6 +308,7 @@ def test_check_same_config_across_ranks(tp_run: TPRun) -> None:
         assert report["world_size"] == 2 and report["rank"] == r
         assert report["backend"] == "gloo"
         assert report["same_config_ok"] is True
+        assert report["gathered_bytes"] == ["", "xy"] and report["min_over_ranks"] == 10
         message = report["mismatch_error"]
         assert message is not None, f"rank {r}: a config differing on rank 1 was accepted"
         # Every rank raises the same error, naming the rank, the field and both values.
@@ -266,6 +346,17 @@ def test_intermediate_size_not_divisible_by_world_size(checkpoints: dict[str, Pa
                                           r"by the tensor-parallel world size \(4\)"):
         load_model(checkpoints["replicated"], rank=1, world_size=4, device="cpu",
                    progress=False)
+
+
+def test_kv_heads_neither_split_nor_replicated(tmp_path: Path) -> None:
+    from tgraph.models import load_model
+
+    # 6 query heads split 2 ways, but 3 KV heads neither split evenly nor replicate.
+    ckpt = _save_llama(tmp_path / "kv3", hidden_size=48, num_attention_heads=6,
+                       num_key_value_heads=3)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads \(3\) is not divisible by the "
+                                          r"tensor-parallel world size \(2\)"):
+        load_model(ckpt, rank=0, world_size=2, device="cpu", progress=False)
 
 
 def test_check_device_count() -> None:
@@ -307,6 +398,36 @@ def test_env_info_defaults() -> None:
     info = distributed.env_info(_torchrun_env(RANK="1", LOCAL_RANK="", LOCAL_WORLD_SIZE=""))
     assert (info.rank, info.world_size, info.local_rank, info.local_world_size) == (1, 2, 1, 2)
     assert (info.master_addr, info.master_port) == ("127.0.0.1", 29500)
+
+
+@pytest.mark.parametrize("timeout, error, pattern", [
+    (0, ConfigError, "timeout must be positive, got 0.0 s"),
+    (-1.5, ConfigError, "timeout must be positive"),
+    ("60", TypeError, "timeout must be a datetime.timedelta or seconds"),
+])
+def test_timeout_refused(timeout, error: type[Exception], pattern: str) -> None:
+    with pytest.raises(error, match=pattern):
+        distributed.init_process_group("cpu", timeout=timeout, environ=_torchrun_env())
+    assert not distributed.is_initialized()
+
+
+def test_launched_world_size() -> None:
+    assert distributed.launched_world_size({}) == 1
+    assert distributed.launched_world_size(_torchrun_env()) == 2
+    with pytest.raises(ConfigError, match="WORLD_SIZE=0: expected a positive integer"):
+        distributed.launched_world_size({"WORLD_SIZE": "0"})
+    with pytest.raises(ConfigError, match="WORLD_SIZE='two' is not an integer"):
+        distributed.launched_world_size({"WORLD_SIZE": "two"})
+
+
+def test_helpers_without_a_group() -> None:
+    """One process: nothing to exchange, and nothing may block."""
+    assert distributed.min_over_ranks(7) == 7
+    assert distributed.all_gather_bytes(b"abc") == [b"abc"]
+    t = torch.arange(3)
+    assert distributed.broadcast_from_rank0(t) is t and t.tolist() == [0, 1, 2]
+    assert distributed.comm_device() == torch.device("cpu")
+    assert distributed.collectives_capturable() is False
 
 
 def test_backend_refused() -> None:

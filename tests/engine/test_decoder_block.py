@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgraph.errors import EngineInputError
+from tgraph.errors import CaptureError, EngineInputError
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import recording
 from tgraph.nn.module import Parameter
@@ -192,6 +192,33 @@ def test_cuda_graph_replay_is_bit_identical():
     # A different cache tensor is refused rather than silently ignored.
     with pytest.raises(EngineInputError, match="updated in place"):
         engine.forward({**other, "k_cache": caches["k_cache"].clone()})
+
+
+@pytest.mark.gpu
+def test_cuda_graph_inputs_held_by_reference():
+    """Inputs captured by reference are read in place: writing new values into them and
+    passing the same tensor objects replays without copies (the decode fast path), and the
+    result equals an uncaptured engine on those values."""
+    net = _record(torch.bfloat16)
+    held = {k: v.cuda() for k, v in _inputs(torch.bfloat16).items()}
+    engine = net.build_engine()
+    engine.capture(held, by_reference=list(held))
+    fresh = {k: v.cuda() for k, v in _inputs(torch.bfloat16, seed=5).items()}
+    for k, v in fresh.items():
+        if k not in ("k_cache", "v_cache"):
+            held[k].copy_(v)  # new step data, same tensors
+    for k in ("k_cache", "v_cache"):
+        held[k].zero_()
+    got = engine.forward(held)["out"].clone()
+    ref_in = {k: v.clone() for k, v in held.items()}
+    for k in ("k_cache", "v_cache"):
+        ref_in[k].zero_()
+    assert torch.equal(got, net.build_engine().forward(ref_in)["out"])
+    # Another tensor for a held input is refused rather than copied into the caller's tensor.
+    with pytest.raises(EngineInputError, match="by_reference"):
+        engine.forward({**held, "hidden": held["hidden"].clone()})
+    with pytest.raises(CaptureError, match="not inputs"):
+        engine.capture(held, by_reference=["nope"])
 
 
 @pytest.mark.gpu

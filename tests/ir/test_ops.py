@@ -907,8 +907,16 @@ def _collective_samples(dtype: torch.dtype) -> list[Sample]:
             Sample({"x": rand(2, 3, 4, dtype=dtype)}, {"dim": 0})]
 
 
+def _all_reduce_add_rms(x, r, w, eps):
+    h = r + D.all_reduce(x)
+    return F.rms_norm(h, w, eps), h
+
+
 COLLECTIVE_INFOS = [
     # With one rank the sum over ranks is the input and the gather along ``dim`` is the input.
+    OpInfo("fused_all_reduce_add_rms_norm", _all_reduce_add_rms,
+           lambda x, r, w, eps: (_rms_expect(r + x, w, eps), r + x), _add_rms_samples,
+           fused_into="all_reduce_add_rms_norm", context=single_rank_group),
     OpInfo("all_reduce", lambda x, dim: D.all_reduce(F.exp(x)), lambda x, dim: torch.exp(x),
            _collective_samples, context=single_rank_group),
     OpInfo("all_gather", lambda x, dim: D.all_gather(F.exp(x), dim),
@@ -920,25 +928,48 @@ COLLECTIVE_INFOS = [
 def _lora_delta_samples(dtype):
     r = lambda *s: rand(*s, dtype=dtype, lo=-1, hi=1)  # noqa: E731
     slots = torch.tensor([0, 2, 1, 2, 0, 1, 1], dtype=torch.int32)  # 0: no adapter
+    order = torch.argsort(slots, stable=True).to(torch.int32)
+    seg_start = torch.searchsorted(slots[order.long()], torch.arange(4, dtype=torch.int32),
+                                   out_int32=True)
     return [Sample({"x": r(7, 16), "a": r(3, 4, 16), "b": r(3, 12, 4),
                     "scaling": torch.tensor([0.0, 0.5, 2.0]), "slots": slots},
-                   shapes={"x": ("num_tokens", 16), "slots": ("num_tokens",)})]
+                   shapes={"x": ("num_tokens", 16), "slots": ("num_tokens",)}),
+            # With the per-step grouping of tokens by slot that the multi-LoRA feature passes.
+            Sample({"x": r(7, 16), "a": r(3, 4, 16), "b": r(3, 12, 4),
+                    "scaling": torch.tensor([0.0, 0.5, 2.0]), "slots": slots, "order": order,
+                    "seg_start": seg_start},
+                   shapes={"x": ("num_tokens", 16), "slots": ("num_tokens",),
+                           "order": ("num_tokens",)})]
 
 
-def _lora_delta_expect(x, a, b, scaling, slots):
+def _lora_delta_expect(x, a, b, scaling, slots, order=None, seg_start=None):
     rows = [torch.zeros(b.shape[1], dtype=x.dtype) if s == 0
             else scaling[s].to(x.dtype) * (b[s] @ (a[s] @ x[t])) for t, s in enumerate(slots.tolist())]
     return torch.stack(rows)
 
 
-LORA_INFO = OpInfo("lora_delta", lambda x, a, b, scaling, slots: lora_delta(x, a, b, scaling, slots),
+LORA_INFO = OpInfo("lora_delta", lambda x, a, b, scaling, slots, order=None, seg_start=None:
+                   lora_delta(x, a, b, scaling, slots, order, seg_start),
                    _lora_delta_expect, _lora_delta_samples)
+
+def _sdpa_fn(q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None, scale=None,
+             sliding_window=None):
+    return F.sdpa_attention(q, k_cache, v_cache, block_table, kv_lens, query_start_loc,
+                            scale=scale, sliding_window=sliding_window)
+
+
+SDPA_INFO = OpInfo("sdpa_attention", _sdpa_fn, None,
+                   lambda dtype: [s for s in _attention_samples(dtype)
+                                  if "query_start_loc" in s.inputs])
+TO_DEVICE_INFO = OpInfo("to_device", lambda x: F.to_device(x, "cpu:1"), lambda x: x.clone(),
+                        lambda dtype: [Sample({"x": rand(5, 8, dtype=dtype)},
+                                              shapes={"x": ("num_tokens", 8)})])
 
 OP_INFOS: list[OpInfo] = (
     UNARY_INFOS + SIGNED_INFOS + BINARY_INFOS + [PROMOTION_INFO] + COMPARE_INFOS
     + [WHERE_INFO, CAST_INFO] + REDUCE_INFOS + [SOFTMAX_INFO] + LINALG_INFOS + ACTIVATION_INFOS
     + VIEW_INFOS + MEMORY_INFOS + [ROPE_INFO, CACHE_INFO] + ATTENTION_INFOS + FUSED_INFOS
-    + COLLECTIVE_INFOS + [LORA_INFO]
+    + COLLECTIVE_INFOS + [LORA_INFO, SDPA_INFO, TO_DEVICE_INFO]
 )
 
 

@@ -1,4 +1,8 @@
-"""``python -m tgraph.bench [kernels|models] [--json FILE] [--png FILE] [--presets ...]``"""
+"""``python -m tgraph.bench [kernels|models|lora] [--json/--out FILE] [--png FILE] [--presets ...]``
+
+``lora``: decode-step latency of the base model, a mixed batch of 4 adapters and a single
+adapter (default: llama-3.2-1b, batch 16, context 512); see :mod:`tgraph.bench.lora`.
+"""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +11,13 @@ import sys
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tgraph.bench")
-    parser.add_argument("what", choices=("kernels", "models", "all"), nargs="?", default="all")
-    parser.add_argument("--json", help="write results as JSON")
+    parser.add_argument("what", choices=("kernels", "models", "lora", "all"), nargs="?",
+                        default="all", help="all: kernels and models")
+    parser.add_argument("--json", "--out", dest="json", help="write results as JSON")
     parser.add_argument("--png", help="draw a chart (models)")
-    parser.add_argument("--presets", nargs="*", help="model presets (models)")
-    parser.add_argument("--batches", nargs="*", type=int, default=[1, 16, 64])
+    parser.add_argument("--presets", nargs="*", help="model presets (models, lora)")
+    parser.add_argument("--batches", nargs="*", type=int,
+                        help="decode batch sizes (models: 1 16 64; lora: 16)")
     parser.add_argument("--peers", nargs="*", default=["hf", "compile"],
                         help="peers to measure: hf (eager), compile (StaticCache + torch.compile)")
     args = parser.parse_args(argv)
@@ -27,7 +33,12 @@ def main(argv=None) -> int:
     if args.what in ("models", "all"):
         from tgraph.bench.models import run_model_bench
 
-        run_model_bench(args.presets, args.batches, args.peers, args.json, args.png)
+        run_model_bench(args.presets, args.batches or [1, 16, 64], args.peers, args.json,
+                        args.png)
+    if args.what == "lora":
+        from tgraph.bench.lora import run_lora_bench
+
+        run_lora_bench(args.presets, args.batches or [16], args.json)
     return 0
 
 

@@ -1,27 +1,75 @@
 """Tensor-parallel decode latency: ``torchrun --nproc-per-node N -m tgraph.bench.tp PRESET``.
 
 Every rank builds the same random weights (same seed), loads its shard, captures decode graphs
-and times one decode step at context 512; rank 0 prints the table. With N=1 it runs without
-torchrun as well.
+and times one decode step at context 512; rank 0 prints the table, with whether the collectives
+were captured inside the CUDA graphs and how many graphs one decode step replays. With N=1 it
+runs without torchrun as well.
+
+Options: ``--batches 1 16`` (decode batch sizes), ``--no-capture-collectives`` (run every
+collective between graphs, as ``llm.engine.capture_collectives=false`` does).
 """
 from __future__ import annotations
 
-import sys
+import argparse
+import os
+from typing import Any, Sequence
 
 import torch
 
-from tgraph.bench.models import CONTEXT, _decode_batch, random_weights
-from tgraph.bench.timing import time_ms
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
-from tgraph.models.loading import build_model
-from tgraph.models.presets import preset
+from tgraph.ir.ops import OpCategory, get_op
 from tgraph.nn import distributed
 
 
-def main(name: str, batches=(1, 16)) -> None:
-    info = distributed.init_process_group()
-    rank, ws = info.rank, info.world_size
+def decode_graph_report(engine: Any) -> dict[str, Any]:
+    """How an engine's step splits between CUDA graphs and host segments.
+
+    Args:
+        engine: a built :class:`~tgraph.engine.Engine` (e.g. the decode engine).
+    Returns:
+        ``collectives`` (collective nodes), ``captured_collectives`` (those inside a device
+        segment, i.e. replayed within a CUDA graph), ``graphs_per_step`` (device segments: one
+        graph each once captured) and ``host_segments`` (run eagerly between the graphs).
+    """
+    collectives = captured = 0
+    for seg in engine.segments:
+        for node in seg.nodes:
+            if get_op(node.op).category is OpCategory.COLLECTIVE:
+                collectives += 1
+                captured += int(seg.capturable)
+    stats = engine.stats
+    return {"collectives": collectives, "captured_collectives": captured,
+            "graphs_per_step": stats.capturable_segments,
+            "host_segments": stats.segment_count - stats.capturable_segments}
+
+
+def describe(report: dict[str, Any]) -> str:
+    """One line for :func:`decode_graph_report`'s result."""
+    n, k = report["collectives"], report["captured_collectives"]
+    where = ("none" if n == 0 else "all captured" if k == n else
+             "none captured" if k == 0 else f"{k} captured")
+    return (f"{n} collectives ({where}), {report['graphs_per_step']} CUDA graphs and "
+            f"{report['host_segments']} host segments per decode step")
+
+
+def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool = True) -> None:
+    """Time one decode step of preset ``name`` at each batch size on this rank's shard.
+
+    Args:
+        name: a model preset (``tgraph.models.presets``).
+        batches: decode batch sizes.
+        capture_collectives: record NCCL collectives capturable (one graph per step).
+    """
+    from tgraph.bench.models import CONTEXT, _decode_batch, random_weights
+    from tgraph.bench.timing import time_ms
+    from tgraph.models.base.config import ModelConfig
+    from tgraph.models.base.weight_loader import DictWeightLoader
+    from tgraph.models.loading import build_model
+    from tgraph.models.presets import preset
+
+    info = None
+    if "WORLD_SIZE" in os.environ:  # torchrun (any N); a plain run is tp=1 without a group
+        info = distributed.init_process_group(capture_collectives=capture_collectives)
+    rank, ws = (info.rank, info.world_size) if info else (0, 1)
     device = torch.device("cuda", torch.cuda.current_device())
     hf_config = preset(name)
     weights = random_weights(hf_config, torch.bfloat16, str(device))
@@ -40,12 +88,23 @@ def main(name: str, batches=(1, 16)) -> None:
         rows.append((b, ms, tuple(logits.shape)))
     engine = model.engines[(False, ())]
     if rank == 0:
-        print(f"{name} tp={ws}: {len(engine.segments)} segments "
-              f"({engine.stats.capturable_segments} captured), {engine.stats.kernel_count} kernels")
+        print(f"{name} tp={ws} ({info.backend if info else 'no process group'}): "
+              f"{engine.stats.kernel_count} kernels; {describe(decode_graph_report(engine))}")
         for b, ms, shape in rows:
             print(f"  batch {b:>3}: {ms:.3f} ms per decode step (logits {shape})")
+    model.release_graphs()  # graphs holding NCCL collectives go before the communicator
     distributed.destroy_process_group()
 
 
+def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m tgraph.bench.tp")
+    parser.add_argument("preset", help="model preset, e.g. llama-3-8b")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
+    parser.add_argument("--no-capture-collectives", action="store_true",
+                        help="run the collectives between CUDA graphs instead of inside them")
+    return parser.parse_args(argv)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    args = _parse()
+    main(args.preset, args.batches, not args.no_capture_collectives)

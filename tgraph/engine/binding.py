@@ -3,6 +3,10 @@
 The first ``forward`` fixes what the network left unknown (an input's dtype, or its rank: its dims
 then become symbols ``name.0``, ``name.1``, ... so later calls may change them). Every call checks
 names, types, dtypes, devices and shapes against the specs and says what was expected.
+
+Inputs are on one device, except for a network spread over several devices: each input then has
+the device its placement says (a KV cache on its layer's device, the batch inputs on the main
+device), and the call's device is the main one.
 """
 from __future__ import annotations
 
@@ -25,21 +29,44 @@ def _dtype_name(dtype: torch.dtype | None) -> str:
 
 @dataclass
 class InputSpec:
-    """What one graph input must look like; unknown parts are filled in by the first call."""
+    """What one graph input must look like; unknown parts are filled in by the first call.
+
+    ``device`` is set only for networks spread over several devices (``placement`` its label).
+    """
 
     name: str
     value: Value
     dtype: torch.dtype | None
     shape: tuple | None
     host: bool
+    device: torch.device | None = None
+    placement: str | None = None
 
     def describe(self) -> str:
         where = " (host, in runtime_params)" if self.host else ""
+        if self.placement is not None and not self.host:
+            where = f" on {self.placement}"
         return f"{self.name}: {_dtype_name(self.dtype)}{format_shape(self.shape)}{where}"
 
 
-def input_specs(inputs: Sequence[Value]) -> dict[str, InputSpec]:
-    return {v.name: InputSpec(v.name, v, v.dtype, v.shape, v.host) for v in inputs}
+def input_specs(inputs: Sequence[Value], placement: Mapping[Value, str] | None = None,
+                main: str | None = None) -> dict[str, InputSpec]:
+    """The specs of a network's inputs.
+
+    Args:
+        inputs: the graph inputs.
+        placement: for a multi-device network, the label of each input (``main`` when absent).
+        main: the main device's label.
+    """
+    specs = {v.name: InputSpec(v.name, v, v.dtype, v.shape, v.host) for v in inputs}
+    if placement is not None:
+        from tgraph.ir.ops.transfer import placement_device
+
+        for spec in specs.values():
+            if not spec.host:
+                spec.placement = placement.get(spec.value, main)
+                spec.device = placement_device(spec.placement)
+    return specs
 
 
 def _unknown_name(name: str, known: list[str], where: str) -> str:
@@ -62,10 +89,18 @@ def _as_host_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
 
 
 def bind_inputs(specs: dict[str, InputSpec], inputs: Mapping[str, Any],
-                runtime_params: Mapping[str, Any] | None) -> tuple[dict[str, torch.Tensor],
-                                                                   dict[str, int],
-                                                                   torch.device | None]:
+                runtime_params: Mapping[str, Any] | None,
+                main: torch.device | None = None) -> tuple[dict[str, torch.Tensor],
+                                                           dict[str, int],
+                                                           torch.device | None]:
     """Check inputs against the specs and bind symbol values.
+
+    Args:
+        specs: from :func:`input_specs`.
+        inputs: device tensors by name.
+        runtime_params: host values by name.
+        main: for a multi-device network, its main device: every input must then be on its
+            spec's device (instead of all on one), and ``main`` is the call's device.
 
     Returns:
         the tensors by name, the symbol bindings, and the device of the (non-host) inputs.
@@ -111,7 +146,7 @@ def bind_inputs(specs: dict[str, InputSpec], inputs: Mapping[str, Any],
                                        f"{type(t).__name__}; expected {spec.describe()}")
             if device is None:
                 device = t.device
-            elif t.device != device:
+            elif t.device != device and main is None:
                 raise EngineInputError(f"input {name!r} is on {t.device} but other inputs are on "
                                        f"{device}; all inputs must be on one device")
         if spec.dtype is not None and t.dtype != spec.dtype:
@@ -133,7 +168,18 @@ def bind_inputs(specs: dict[str, InputSpec], inputs: Mapping[str, Any],
                             f"dim {want!r} is {bound} in input {origin[want]!r} but {got} in "
                             f"input {name!r} (shape {list(t.shape)}, expected {spec.describe()})")
         tensors[name] = t
+    if main is not None:
+        _check_placed(specs, tensors)
+        device = main
     return tensors, env, device
+
+
+def _check_placed(specs: dict[str, InputSpec], tensors: Mapping[str, torch.Tensor]) -> None:
+    for name, spec in specs.items():
+        if spec.device is not None and tensors[name].device != spec.device:
+            raise EngineInputError(f"input {name!r} is on {tensors[name].device}, expected "
+                                   f"{spec.describe()}: this network is spread over several "
+                                   f"devices and reads each input where it was placed")
 
 
 def fix_unknowns(specs: dict[str, InputSpec], tensors: Mapping[str, torch.Tensor]) -> None:

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
@@ -18,10 +19,18 @@ from tgraph.engine.plan import LaunchPlan, is_pure_view, lower
 from tgraph.errors import CaptureError, EngineInputError, GraphError
 from tgraph.ir.network import Network
 from tgraph.ir.ops import get_op
+from tgraph.ir.ops.transfer import placement_device
 from tgraph.ir.value import Value, ValueKind
 from tgraph.passes.manager import PassManager, PassRecord
 from tgraph.passes.memory import MemoryPlan, alias_base, plan_memory
-from tgraph.passes.partition import Segment, partition
+from tgraph.passes.partition import (
+    Placement,
+    Segment,
+    group_transfers,
+    infer_placement,
+    partition,
+    place_outputs,
+)
 from tgraph.passes.pipeline import default_pipeline
 
 _MAX_BINDINGS = 64
@@ -49,17 +58,38 @@ class _Binding:
     memory: MemoryPlan
     attrs: dict[int, dict[str, Any]]
     buffers: list[list[torch.Tensor | None]] | None = None
-    buffers_arena: torch.Tensor | None = None
+    buffers_arena: torch.Tensor | dict[str, torch.Tensor] | None = None
+    # A multi-device network: one memory plan (one arena) per device label; ``memory`` holds
+    # only the totals.
+    device_memory: dict[str, MemoryPlan] | None = None
 
 
 @dataclass
 class _Capture:
-    """A captured signature: static inputs, its own arena, the slots and one graph per segment."""
+    """A captured signature: static inputs, its own arena, the slots and one graph per segment.
+
+    ``held`` names the inputs the graphs read in place (the caller's tensors, by identity): the
+    ones the network writes (KV caches) and those the caller asked to keep by reference.
+    ``all_held`` means every input is held, so a call passing the very same tensor objects can
+    replay without binding or copying anything.
+    """
 
     inputs: dict[str, torch.Tensor]
     binding: _Binding
     slots: list[Any]
     graphs: list[Any]
+    plan: LaunchPlan
+    held: frozenset[str]
+    all_held: bool
+
+    def same_objects(self, inputs: Mapping[str, torch.Tensor]) -> bool:
+        """Whether ``inputs`` are exactly the captured tensor objects (same names, same objects)."""
+        if len(inputs) != len(self.inputs):
+            return False
+        for name, t in self.inputs.items():
+            if inputs.get(name) is not t:
+                return False
+        return True
 
 
 BACKENDS = ("auto", "reference", "triton")
@@ -84,8 +114,17 @@ class Engine:
         self.net = net
         self.backend = backend
         self.pass_records = list(pass_records)
+        # A network spread over several devices: where each value lives (None: one device).
+        # Its outputs are copied to the main device, where the caller gets them.
+        self.placement: Placement | None = infer_placement(net)
+        placed = self.placement
+        if placed is not None:
+            place_outputs(net, placed)
+            group_transfers(net, placed)
         # The inputs the user recorded define the interface, even if passes made some unused.
-        self.specs: dict[str, InputSpec] = input_specs(declared_inputs or net.inputs)
+        self.specs: dict[str, InputSpec] = input_specs(
+            declared_inputs or net.inputs, placed.of if placed else None,
+            placed.main if placed else None)
         self.weights: dict[Value, torch.Tensor] = {}
         for v in net.weights:
             if v.data is None:
@@ -95,7 +134,16 @@ class Engine:
                 raise GraphError(f"weight {v.name!r} holds {v.data.dtype}{list(v.data.shape)}, "
                                  f"but the network recorded {v.describe()}")
             self.weights[v] = v.data
-        self.segments: list[Segment] = partition(net)
+        self.segments: list[Segment] = partition(net, placement=placed)
+        self._main_device = placement_device(placed.main) if placed else None
+        self._node_devices = None
+        self._off_device: dict[str, set[Value]] = {}
+        self._arenas: dict[str, torch.Tensor] = {}
+        self._arena_set: dict[str, torch.Tensor] | None = None
+        if placed is not None:
+            self._node_devices = {n: placement_device(placed.node_device(n)) for n in net.nodes}
+            self._off_device = {label: {v for v, where in placed.of.items() if where != label}
+                                for label in placed.devices}
         self._plans: dict[str, LaunchPlan] = {}
         self._bindings: OrderedDict[tuple, _Binding] = OrderedDict()
         self._latest: _Binding | None = None
@@ -136,9 +184,9 @@ class Engine:
             if kind == "triton":
                 from tgraph.kernels.fast import fast_kernel
 
-                self._plans[kind] = lower(self.net, fast_kernel)
+                self._plans[kind] = lower(self.net, fast_kernel, self._node_devices)
             else:
-                self._plans[kind] = lower(self.net)
+                self._plans[kind] = lower(self.net, None, self._node_devices)
         return self._plans[kind]
 
     @property
@@ -165,7 +213,14 @@ class Engine:
         Raises:
             EngineInputError: on missing/unknown names, wrong dtype, device or shape.
         """
-        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params)
+        if outputs is None and not runtime_params:
+            # Fast path: the very tensors a graph was captured with (checked when captured).
+            for capture in self._captures.values():
+                if capture.all_held and capture.same_objects(inputs):
+                    self._replay(capture)
+                    return self._collect(capture.plan, capture.slots, None)
+        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params,
+                                           self._main_device)
         if not self._bindings:
             fix_unknowns(self.specs, tensors)
         plan = self.plan_for(device)
@@ -179,26 +234,32 @@ class Engine:
         if capture is not None:
             for name, t in tensors.items():
                 static = capture.inputs[name]
-                if name in self._mutated_inputs:
+                if name in capture.held:
                     if static.data_ptr() != t.data_ptr():
+                        why = ("updated in place by the captured graph" if name in
+                               self._mutated_inputs else "held by reference (by_reference)")
                         raise EngineInputError(
-                            f"input {name!r} is updated in place by the captured graph, which "
-                            "was captured with another tensor; pass the same tensor (e.g. the "
-                            "same KV cache) or capture again")
+                            f"input {name!r} is {why}, and the graph was captured with another "
+                            "tensor; pass the same tensor (e.g. the same KV cache) or capture "
+                            "again")
                 else:
                     static.copy_(t)
             slots = capture.slots
-            for graph, steps in zip(capture.graphs, self._segment_ranges):
-                if graph is not None:
-                    graph.replay()
-                else:
-                    self._run_steps(plan, steps, slots, capture.binding, release=False)
+            self._replay(capture)
         else:
             slots = self._initial_slots(plan, tensors)
             self._run_steps(plan, range(len(plan.steps)), slots, binding, device)
         return self._collect(plan, slots, outputs)
 
     __call__ = forward
+
+    def _replay(self, capture: _Capture) -> None:
+        for graph, steps in zip(capture.graphs, self._segment_ranges):
+            if graph is not None:
+                graph.replay()
+            else:
+                self._run_steps(capture.plan, steps, capture.slots, capture.binding,
+                                release=False)
 
     def _initial_slots(self, plan: LaunchPlan, tensors: Mapping[str, torch.Tensor]) -> list[Any]:
         slots: list[Any] = [None] * plan.num_slots
@@ -253,7 +314,14 @@ class Engine:
         binding = self._bindings.get(key)
         if binding is None:
             shapes = infer_concrete(self.net, tensors, env)
-            memory = plan_memory(self.net, shapes)
+            device_memory = None
+            if self.placement is None:
+                memory = plan_memory(self.net, shapes)
+            else:
+                device_memory = {label: plan_memory(self.net, shapes, exclude=off)
+                                 for label, off in self._off_device.items()}
+                memory = MemoryPlan(arena_bytes=sum(m.arena_bytes for m in device_memory.values()),
+                                    naive_bytes=sum(m.naive_bytes for m in device_memory.values()))
             attrs = {}
             for i, step in enumerate(plan.steps):
                 if step.symbolic_attrs:
@@ -261,7 +329,7 @@ class Engine:
                     resolved["shape"] = tuple(env.get(d, d) if isinstance(d, str) else d
                                               for d in step.attrs["shape"])
                     attrs[i] = resolved
-            binding = _Binding(shapes, memory, attrs)
+            binding = _Binding(shapes, memory, attrs, device_memory=device_memory)
             self._bindings[key] = binding
             if len(self._bindings) > _MAX_BINDINGS:
                 old_key, _ = self._bindings.popitem(last=False)
@@ -274,6 +342,8 @@ class Engine:
     def _buffers(self, plan: LaunchPlan, binding: _Binding, device: torch.device | None,
                  arena: torch.Tensor | None = None) -> list[list[torch.Tensor | None]]:
         """Views of the arena for every buffer output of every step (cached per arena)."""
+        if binding.device_memory is not None:
+            return self._placed_buffers(plan, binding, arena)
         if arena is None:
             need = max(binding.memory.arena_bytes, 1)
             if self._arena is None or self._arena.device != device or self._arena.numel() < need:
@@ -296,12 +366,49 @@ class Engine:
         binding.buffers, binding.buffers_arena = buffers, arena
         return buffers
 
+    def _placed_buffers(self, plan: LaunchPlan, binding: _Binding,
+                        arenas: dict[str, torch.Tensor] | None) -> list[list[torch.Tensor | None]]:
+        """:meth:`_buffers` of a multi-device network: one arena per device."""
+        memories = binding.device_memory
+        assert memories is not None and self.placement is not None
+        if arenas is None:
+            grown = self._arena_set is None
+            for label, memory in memories.items():
+                need = max(memory.arena_bytes, 1)
+                have = self._arenas.get(label)
+                if have is None or have.numel() < need:
+                    self._arenas[label] = torch.empty(need, dtype=torch.uint8,
+                                                      device=placement_device(label))
+                    grown = True
+            if grown:  # a new dict: bindings cached against the old arenas see the change
+                self._arena_set = dict(self._arenas)
+            arenas = self._arena_set
+        if binding.buffers is not None and binding.buffers_arena is arenas:
+            return binding.buffers
+        label_of = self.placement.of
+        buffers = []
+        for step in plan.steps:
+            outs = []
+            for v in step.node.outputs:
+                label = label_of[v]
+                offset = memories[label].offsets.get(v)
+                if offset is None:
+                    outs.append(None)
+                    continue
+                shape, dtype = binding.shapes[v]
+                nbytes = memories[label].sizes[v]
+                outs.append(arenas[label][offset:offset + nbytes].view(dtype).view(shape))
+            buffers.append(outs)
+        binding.buffers, binding.buffers_arena = buffers, arenas
+        return buffers
+
     def intermediates(self, inputs: Mapping[str, torch.Tensor],
                       runtime_params: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
         """Run once without CUDA graphs and return every node's outputs by name, for accuracy
         analysis: ``"{index:04d}.{op}.{label}"`` (label as in ``str(network)``). Inputs declared as
         written in place (the KV cache) are updated as by ``forward``."""
-        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params)
+        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params,
+                                           self._main_device)
         if not self._bindings:
             fix_unknowns(self.specs, tensors)
         plan = self.plan_for(device)
@@ -321,18 +428,30 @@ class Engine:
     # ---- CUDA graphs -------------------------------------------------------------------------------
 
     def capture(self, inputs: Mapping[str, torch.Tensor],
-                runtime_params: Mapping[str, Any] | None = None) -> None:
+                runtime_params: Mapping[str, Any] | None = None, *,
+                by_reference: Iterable[str] = ()) -> None:
         """Capture CUDA graphs for the signature (shapes) of ``inputs``.
 
         Each capturable segment becomes one graph (host segments run eagerly between replays).
         Later ``forward`` calls with the same shapes copy their inputs into static buffers and
         replay. All captures of an engine share one memory pool.
 
+        Args:
+            inputs: example inputs; their shapes fix the captured signature.
+            runtime_params: host values, as for :meth:`forward`.
+            by_reference: input names the graphs read in place instead of from a static copy:
+                the caller keeps those tensors alive and passes the same ones to every later
+                ``forward`` (writing new values into them between calls). Inputs the network
+                writes (KV caches) are always held this way. When every input is held, a
+                ``forward`` given the very same tensor objects replays without any checks or
+                copies: the cheapest way to run a decode step.
+
         Raises:
             CaptureError: if the inputs are not on CUDA or a kernel cannot be captured; the
                 original error is chained.
         """
-        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params)
+        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params,
+                                           self._main_device)
         if device is None or device.type != "cuda":
             raise CaptureError(f"CUDA graphs need CUDA inputs, got device {device}")
         if not self._bindings:
@@ -340,11 +459,16 @@ class Engine:
         self._check_weight_devices(device)
         plan = self.plan_for(device)
         key, shared = self._bind(tensors, env, plan)
-        binding = _Binding(shared.shapes, shared.memory, shared.attrs)
-        arena = torch.empty(max(binding.memory.arena_bytes, 1), dtype=torch.uint8, device=device)
+        binding = _Binding(shared.shapes, shared.memory, shared.attrs,
+                           device_memory=shared.device_memory)
+        arena = self._capture_arena(binding, device)
         self._buffers(plan, binding, device, arena=arena)
-        static = {name: t if name in self._mutated_inputs else t.clone()
-                  for name, t in tensors.items()}
+        held = frozenset(self._mutated_inputs | set(by_reference))
+        unknown = sorted(set(by_reference) - set(tensors))
+        if unknown:
+            raise CaptureError(f"by_reference names {unknown} are not inputs of engine "
+                               f"{self.net.name!r}")
+        static = {name: t if name in held else t.clone() for name, t in tensors.items()}
 
         # Warm up on a side stream: compiles kernels and creates library handles outside capture.
         stream = torch.cuda.Stream(device)
@@ -367,20 +491,56 @@ class Engine:
                 continue
             graph = torch.cuda.CUDAGraph()
             try:
-                with torch.cuda.graph(graph, pool=self._graph_pool):
+                with self._segment_device(seg), torch.cuda.graph(
+                        graph, pool=self._graph_pool, stream=self._capture_stream(seg)):
                     self._run_steps(plan, steps, slots, binding, release=False)
             except Exception as err:
                 ops = ", ".join(sorted({n.op for n in seg.nodes}))
                 raise CaptureError(f"capturing segment {seg_index} of engine {self.net.name!r} "
                                    f"(ops: {ops}) failed: {err}") from err
             graphs.append(graph)
-        self._captures[key] = _Capture(static, binding, slots, graphs)
+        all_held = not runtime_params and held >= set(tensors)
+        self._captures[key] = _Capture(static, binding, slots, graphs, plan, held, all_held)
+
+    def _capture_arena(self, binding: _Binding, device: torch.device
+                       ) -> torch.Tensor | dict[str, torch.Tensor]:
+        """A capture's own arena (one per device for a multi-device network)."""
+        if binding.device_memory is None:
+            return torch.empty(max(binding.memory.arena_bytes, 1), dtype=torch.uint8,
+                               device=device)
+        return {label: torch.empty(max(m.arena_bytes, 1), dtype=torch.uint8,
+                                   device=placement_device(label))
+                for label, m in binding.device_memory.items()}
+
+    def _segment_device(self, seg: Segment) -> Any:
+        """The segment's CUDA device made current (nothing to do on a single device)."""
+        return nullcontext() if seg.device is None else \
+            torch.cuda.device(placement_device(seg.device))
+
+    def _capture_stream(self, seg: Segment) -> Any:
+        """The stream a segment is captured on: torch's default capture stream, or (several
+        devices) one side stream per device, since torch's default lives on one device."""
+        if seg.device is None:
+            return None
+        streams = self.__dict__.setdefault("_capture_streams", {})
+        if seg.device not in streams:
+            streams[seg.device] = torch.cuda.Stream(placement_device(seg.device))
+        return streams[seg.device]
 
     @property
     def captured_signatures(self) -> int:
         return len(self._captures)
 
     def _check_weight_devices(self, device: torch.device) -> None:
+        if self.placement is not None:
+            for v, data in self.weights.items():
+                label = self.placement.of.get(v, self.placement.main)
+                if data.device != placement_device(label):
+                    raise EngineInputError(f"weight {v.name!r} is on {data.device} but the network "
+                                           f"places it on {label}; apply the placement rules "
+                                           f"before the engine is built")
+            self._checked_devices.add(device)
+            return
         for v, data in self.weights.items():
             if data.device != device:
                 raise EngineInputError(f"weight {v.name!r} is on {data.device} but the inputs are on"
@@ -430,12 +590,17 @@ class Engine:
                                        f" got {data.dtype}{list(data.shape)}")
             self.weights[v] = data
         self._checked_devices.clear()
+        self._captures.clear()  # the graphs read the old weights' memory
 
     def to(self, device: torch.device | str) -> "Engine":
         """Move the engine's weights to ``device``."""
+        if self.placement is not None:
+            raise GraphError(f"engine {self.net.name!r} is spread over {self.placement.devices}; "
+                             "its weights stay where they were placed")
         for v in self.weights:
             self.weights[v] = self.weights[v].to(device)
         self._checked_devices.clear()
+        self._captures.clear()
         return self
 
     # ---- introspection -----------------------------------------------------------------------------
@@ -458,12 +623,16 @@ class Engine:
         s = self.stats
         lines = [f'engine "{self.net.name}" ({self.backend}): {s.kernel_count} kernels, '
                  f"{s.segment_count} segments ({s.capturable_segments} capturable)"]
+        if self.placement is not None:
+            lines[0] += f", devices {', '.join(self.placement.devices)} " \
+                        f"(main {self.placement.main})"
         for spec in self.specs.values():
             lines.append(f"  input  {spec.describe()}")
         labels = self.net.local_labels()
         for seg_index, seg in enumerate(self.segments):
             kind = "device" if seg.capturable else f"host: {seg.reason}"
-            lines.append(f"  segment {seg_index} [{kind}]")
+            where = f" on {seg.device}" if seg.device is not None else ""
+            lines.append(f"  segment {seg_index} [{kind}]{where}")
             for node in seg.nodes:
                 step = next(st for st in self.plan.steps if st.node is node)
                 outs = ", ".join(labels.get(v, v.label()) for v in node.outputs)

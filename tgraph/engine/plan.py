@@ -3,7 +3,9 @@ as precomputed slot indices, and the slots to release after it (by liveness)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+import torch
 
 from tgraph.ir.network import Network
 from tgraph.ir.node import Node
@@ -61,14 +63,29 @@ def is_pure_view(node: Node) -> bool:
     return all(op.alias_input(i) is not None for i in range(len(node.outputs)))
 
 
-def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] | None = None
-          ) -> LaunchPlan:
+def on_device(kernel: Kernel, device: torch.device) -> Kernel:
+    """``kernel`` run with ``device`` current: Triton launches on the current CUDA device (and
+    its current stream), whatever device its tensors are on."""
+    index = device.index
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.cuda.device(index):
+            return kernel(*args, **kwargs)
+
+    run.__name__ = getattr(kernel, "__name__", "kernel")
+    return run
+
+
+def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] | None = None,
+          devices: Mapping[Node, torch.device] | None = None) -> LaunchPlan:
     """Build the launch plan of ``net``.
 
     Args:
         select: picks a kernel writing into planned buffers (``kernel(outs, *inputs, **attrs)``)
             for each node that is not a pure view; ``None`` uses the torch references, which
             return their results.
+        devices: for a network spread over several CUDA devices, the device of each node; its
+            kernel then runs with that device current (see :func:`on_device`).
     """
     plan = LaunchPlan(uses_arena=select is not None)
     for v in net.inputs + net.weights:
@@ -89,6 +106,9 @@ def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] | None = No
         outs = tuple(plan.slot(v) for v in node.outputs)
         into = select is not None and not is_pure_view(node)
         kernel, name = select(node) if into else reference_kernel(node)
+        device = devices.get(node) if devices is not None else None
+        if device is not None and device.type == "cuda" and not is_pure_view(node):
+            kernel = on_device(kernel, device)
         plan.steps.append(Step(kernel, name, node, tuple(ins), outs, dict(node.attrs),
                                symbolic_attrs=_has_symbols(node.attrs), into=into))
     for v, i in last_use.items():

@@ -215,3 +215,7 @@ def fast_kernel(node: Node) -> tuple[FastKernel, str]:
             return run_fused_pointwise(program, args, outs, **attrs)
         return kernel, "triton.fused_pointwise"
     return _reference_into(node.op), f"torch.{node.op}"
+
+
+from tgraph.kernels import collective_kernels  # noqa: E402,F401  (registers collective kernels)
+from tgraph.kernels import sdpa_kernels  # noqa: E402,F401  (registers sdpa_attention, to_device)

@@ -14,14 +14,16 @@ __all__ = ["lora_delta_into"]
 
 @fast._register("lora_delta")
 def lora_delta_into(outs: fast.Outs, x: torch.Tensor, a_stack: torch.Tensor,
-                    b_stack: torch.Tensor, scaling: torch.Tensor,
-                    token_slots: torch.Tensor) -> torch.Tensor:
+                    b_stack: torch.Tensor, scaling: torch.Tensor, token_slots: torch.Tensor,
+                    token_order: torch.Tensor | None = None,
+                    seg_start: torch.Tensor | None = None) -> torch.Tensor:
     """``outs[0] = lora_delta(x, a_stack, b_stack, scaling, token_slots)`` with the Triton kernels.
 
     Args:
         outs: one preallocated ``[T, N]`` buffer in ``x``'s dtype.
         x: ``[T, K]`` activations; a_stack ``[L, R, K]``; b_stack ``[L, N, R]``; scaling fp32
-            ``[L]``; token_slots int32 ``[T]`` (see ``tgraph.ir.ops.lora``).
+            ``[L]``; token_slots int32 ``[T]``; token_order / seg_start: the tokens grouped by
+            slot, when the caller computed them once for the step (see ``tgraph.ir.ops.lora``).
 
     Returns:
         ``outs[0]``.
@@ -34,12 +36,13 @@ def lora_delta_into(outs: fast.Outs, x: torch.Tensor, a_stack: torch.Tensor,
     slots = slots.contiguous()
     a_stack, b_stack = a_stack.contiguous(), b_stack.contiguous()
     num_slots = a_stack.shape[0]
-    # One sort serves both launches of this linear.
-    segments = lora_segments(slots, num_slots)
+    if token_order is not None and seg_start is not None:
+        segments = (token_order, seg_start)
+    else:  # one sort serves both launches of this linear
+        segments = lora_segments(slots, num_slots)
     # fp32 intermediate: the rank is small, and it keeps the shrink's accumulation unrounded.
     shrunk = torch.empty(x2.shape[0], a_stack.shape[1], dtype=torch.float32, device=x2.device)
     lora_shrink(x2, a_stack, slots, shrunk, segments=segments)
-    # Slot-0 rows are skipped by the expand kernel: they must read as zero.
-    out.zero_()
-    lora_expand(shrunk, b_stack, slots, out.view(-1, out.shape[-1]), scaling, segments=segments)
+    lora_expand(shrunk, b_stack, slots, out.view(-1, out.shape[-1]), scaling, segments=segments,
+                overwrite=True)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tgraph.layers.attention_backends import DEFAULT_BACKEND, attend, check_backend
 from tgraph.layers.linear import QKVParallelLinear, RowParallelLinear
 from tgraph.models.base.config import ModelConfig
 from tgraph.models.base.weight_loader import WeightLoader
@@ -48,6 +49,9 @@ class Attention(Module):
         layer_idx: which KV cache this layer uses.
         qkv_bias / o_bias: whether the projections carry biases (the family decides).
         sliding_window: attend only to the last ``sliding_window`` positions.
+
+    ``backend`` picks the attention op (:mod:`tgraph.layers.attention_backends`): ``"triton"``
+    (default) or ``"sdpa"`` (torch SDPA for prefill); set it with :meth:`configure`.
     """
 
     def __init__(self, config: ModelConfig, loader: WeightLoader, prefix: str, layer_idx: int,
@@ -67,6 +71,24 @@ class Attention(Module):
                                         config.hidden_size, bias=o_bias)
         self.scale = config.head_dim ** -0.5
         self.sliding_window = sliding_window
+        self.backend = DEFAULT_BACKEND
+
+    @classmethod
+    def check_kwargs(cls, backend: str = DEFAULT_BACKEND) -> None:
+        """Refuse unknown values of :meth:`configure`'s arguments (rules call it at load time)."""
+        check_backend(backend)
+
+    def configure(self, backend: str = DEFAULT_BACKEND) -> None:
+        """Choose the attention backend (a ``replace: default`` rule with ``kwargs``).
+
+        Args:
+            backend: ``"triton"`` or ``"sdpa"``.
+
+        Raises:
+            ValueError: an unknown backend.
+        """
+        self.check_kwargs(backend)
+        self.backend = backend
 
     def qk_norm(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """Hook applied to q and k before the rotary embedding (identity by default)."""
@@ -80,7 +102,9 @@ class Attention(Module):
         q, k = self.qk_norm(q, k)
         q, k = F.rope(q, k, meta.cos, meta.sin)
         k_cache, v_cache = F.reshape_and_cache(k, v, *meta.kv_caches[self.layer_idx], meta.slots)
-        out = F.paged_attention(q, k_cache, v_cache, meta.block_table, meta.kv_lens,
-                                meta.query_start_loc, scale=self.scale,
-                                sliding_window=self.sliding_window)
+        out = attend(self.backend, q, k_cache, v_cache, meta, scale=self.scale,
+                     sliding_window=self.sliding_window)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+    def extra_repr(self) -> str:
+        return "" if self.backend == DEFAULT_BACKEND else f"backend={self.backend}"

@@ -316,16 +316,23 @@ def pack_adapter(adapter: LoraAdapter | None, target: LoraTarget, max_rank: int,
 
 
 def lora_delta(x: Tensor, a_stack: Tensor, b_stack: Tensor, scaling: Tensor,
-               token_slots: Tensor) -> Tensor:
+               token_slots: Tensor, token_order: Tensor | None = None,
+               seg_start: Tensor | None = None) -> Tensor:
     """Record the per-token multi-LoRA delta (see ``tgraph.ir.ops.lora``).
 
     Args:
         x: ``[tokens, in]``; a_stack ``[slots, rank, in]``; b_stack ``[slots, out, rank]``;
             scaling fp32 ``[slots]``; token_slots int32 ``[tokens]`` (0: no adapter).
+        token_order, seg_start: optional int32 ``[tokens]`` / ``[slots + 1]``: the tokens
+            grouped by slot, computed once per step (see
+            :meth:`tgraph.models.base.lora_features.MultiLoraDecorator.batch_arrays`).
 
     Returns:
         ``[tokens, out]``.
     """
-    out = F.record("lora_delta", [x, a_stack, b_stack, scaling, token_slots])
+    inputs = [x, a_stack, b_stack, scaling, token_slots]
+    if token_order is not None or seg_start is not None:
+        inputs += [token_order, seg_start]
+    out = F.record("lora_delta", inputs)
     assert not isinstance(out, tuple)
     return out

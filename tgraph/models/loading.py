@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -13,6 +13,9 @@ from tgraph.models.base.config import ModelConfig
 from tgraph.models.base.llm_config import LlmConfig
 from tgraph.models.base.weight_loader import SafetensorFileLoader
 from tgraph.models.registry import load_module_map, resolve_model_class
+
+if TYPE_CHECKING:
+    from tgraph.rules import Rule
 
 logger = logging.getLogger("tgraph.models")
 
@@ -46,10 +49,43 @@ def resolve_device(name: str | torch.device | None) -> torch.device:
     return device
 
 
+class _PlacingLoader(SafetensorFileLoader):
+    """A safetensors reader that puts each tensor straight on the device the rules place its
+    module on (``device_of(name)``; ``None``: the loader's device), so a model split over GPUs
+    never has to fit on the first one."""
+
+    def __init__(self, *args: Any, device_of: Callable[[str], torch.device | None],
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._device_of = device_of
+
+    def _finish(self, real: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        # NOTE: the base class places every read on ``self.device`` in _finish; swap it for the
+        # duration of this one read.
+        target = self._device_of(real)
+        if target is None or target == self.device:
+            return super()._finish(real, tensor, dtype)
+        default, self.device = self.device, target
+        try:
+            return super()._finish(real, tensor, dtype)
+        finally:
+            self.device = default
+
+
+def _parse_rules(rules: str | Path | Sequence[Any]) -> list["Rule"]:
+    from tgraph.rules import Rule, load_rules
+
+    if isinstance(rules, (str, Path)) or not all(isinstance(r, Rule) for r in rules):
+        return load_rules(rules)
+    return list(rules)
+
+
 def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto",
                device: str | torch.device | None = "auto", max_model_len: int | None = None,
                module_map: str | Path | None = None, rank: int = 0, world_size: int = 1,
-               progress: bool | None = None, strict: bool = True, **llm_options: Any):
+               progress: bool | None = None, strict: bool = True,
+               rules: str | Path | Sequence[Rule | Mapping[str, Any]] | None = None,
+               **llm_options: Any):
     """Build the model for a checkpoint directory, reading this rank's weights.
 
     Args:
@@ -59,9 +95,15 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
             8192 to keep rotary tables and block tables small).
         module_map: a Python file registering custom models.
         strict: refuse checkpoint tensors the model does not use.
+        rules: injection rules (a YAML file, parsed rule mappings, or :func:`load_rules`'s
+            result), checked before any weight is read and applied to the built model. Weights
+            of modules the rules place on another device (``kwargs.device``) are read straight
+            onto it (guessed from the rules' names, see :func:`tgraph.rules.predict_placement`;
+            whatever the guess missed is moved when the rules are applied).
         llm_options: other :class:`LlmConfig` fields (graph, block_size, cuda_graph...).
     """
     model_dir = Path(model_dir)
+    parsed = _parse_rules(rules) if rules is not None else None  # bad rules fail before loading
     if module_map is not None:
         load_module_map(module_map)
     config = ModelConfig.from_dir(model_dir)
@@ -71,8 +113,12 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
     max_len = max_model_len or min(config.max_position_embeddings, 8192)
     llm = LlmConfig(config, dtype=dt, device=dev, max_model_len=max_len, rank=rank,
                     world_size=world_size, **llm_options)
-    loader = SafetensorFileLoader(model_dir, device=dev, dtype=dt, rank=rank,
-                                  world_size=world_size, progress=progress)
+    loader_options = dict(device=dev, dtype=dt, rank=rank, world_size=world_size,
+                          progress=progress)
+    if parsed is not None and any(r.device is not None for r in parsed):
+        loader = _PlacingLoader(model_dir, device_of=_rule_devices(parsed), **loader_options)
+    else:
+        loader = SafetensorFileLoader(model_dir, **loader_options)
     for name in loader.names():
         if name.endswith(_IGNORED_SUFFIXES):
             loader.mark_used(name)
@@ -81,7 +127,21 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
     if unused and strict:
         raise WeightLoadError(f"{len(unused)} checkpoint tensors are not used by "
                               f"{cls.__name__}: {unused[:8]}{' ...' if len(unused) > 8 else ''}")
+    if parsed is not None:
+        from tgraph.rules import apply_rules
+
+        apply_rules(model, parsed)  # before any graph is recorded
     return model
+
+
+def _rule_devices(rules: Sequence["Rule"]) -> Callable[[str], torch.device | None]:
+    from tgraph.ir.ops.transfer import placement_device
+    from tgraph.rules import predict_placement
+
+    def device_of(name: str) -> torch.device | None:
+        label = predict_placement(rules, name)
+        return None if label is None else placement_device(label)
+    return device_of
 
 
 def build_model(config: ModelConfig, loader, **llm_options: Any):

@@ -5,12 +5,20 @@ A tensor-parallel script is launched with ``torchrun --nproc-per-node N script.p
 calls :func:`init_process_group` (NCCL on CUDA, gloo on CPU), loads the model with
 ``rank=rank(), world_size=world_size()`` and runs the same batches. Layers record
 :func:`all_reduce` / :func:`all_gather` into their graphs when ``world_size > 1``.
+
+On NCCL the collectives are recorded capturable (one CUDA graph can hold a whole decode step)
+unless the group was joined with ``capture_collectives=False``; gloo collectives never are.
+
+Failure handling: every collective waits at most the group's timeout, so a rank that died or
+took another path makes the others fail instead of hanging. Under torchrun the usual end is
+quicker: the failing rank exits nonzero and torchrun stops the others.
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import enum
+import gc
 import hashlib
 import json
 import os
@@ -27,16 +35,21 @@ from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
 
 __all__ = [
-    "DEFAULT_TIMEOUT", "PER_RANK_FIELDS", "DistInfo", "all_gather", "all_reduce",
-    "check_device_count", "check_same_config", "config_json", "describe_differences",
-    "destroy_process_group", "env_info", "init_process_group", "is_initialized", "rank",
-    "world_size",
+    "DEFAULT_TIMEOUT", "PER_RANK_FIELDS", "DistInfo", "all_gather", "all_gather_bytes",
+    "all_reduce", "broadcast_from_rank0", "check_device_count", "check_same_config",
+    "collectives_capturable", "comm_device", "config_json", "describe_differences",
+    "destroy_process_group", "env_info", "init_process_group", "is_initialized",
+    "launched_world_size", "min_over_ranks", "rank", "world_size",
 ]
 
 # A collective that waits longer than this fails instead of hanging (e.g. a rank died).
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=5)
 
 _BACKENDS = ("nccl", "gloo")
+
+# NOTE: set once by init_process_group (like torch.distributed's own default group): whether
+# NCCL collectives recorded from now on may be captured in CUDA graphs.
+_capture_collectives = True
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,27 @@ def env_info(environ: Mapping[str, str] | None = None) -> DistInfo:
     return DistInfo(r, ws, local_rank, local_ws, addr, port)
 
 
+def launched_world_size(environ: Mapping[str, str] | None = None) -> int:
+    """The world size torchrun launched this process with (``WORLD_SIZE``), 1 outside torchrun.
+
+    Args:
+        environ: the variables (default ``os.environ``).
+    Returns:
+        the number of ranks; an initialized process group's size wins over the environment.
+    Raises:
+        ConfigError: ``WORLD_SIZE`` is set but not a positive integer.
+    """
+    if is_initialized():
+        return dist.get_world_size()
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" not in env:
+        return 1
+    ws = _env_int(env, "WORLD_SIZE")
+    if ws < 1:
+        raise ConfigError(f"environment variable WORLD_SIZE={ws}: expected a positive integer")
+    return ws
+
+
 def check_device_count(local_world_size: int, device_count: int) -> None:
     """Refuse a group that needs more GPUs on this node than are visible.
 
@@ -133,9 +167,22 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
+def _as_timedelta(timeout: datetime.timedelta | float) -> datetime.timedelta:
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"timeout must be a datetime.timedelta or seconds, got {timeout!r}")
+    if not seconds > 0:
+        raise ConfigError(f"the process-group timeout must be positive, got {seconds} s")
+    return datetime.timedelta(seconds=seconds)
+
+
 def init_process_group(device: str | torch.device | None = "auto", *,
                        backend: str | None = None,
-                       timeout: datetime.timedelta = DEFAULT_TIMEOUT,
+                       timeout: datetime.timedelta | float = DEFAULT_TIMEOUT,
+                       capture_collectives: bool = True,
                        environ: Mapping[str, str] | None = None) -> DistInfo:
     """Join the default process group described by torchrun's environment variables.
 
@@ -146,16 +193,23 @@ def init_process_group(device: str | torch.device | None = "auto", *,
         device: ``"auto"`` (CUDA when available), ``"cuda"`` or ``"cpu"``; an explicit index is
             ignored, since the rank's GPU is ``LOCAL_RANK``.
         backend: ``"nccl"`` or ``"gloo"`` to override the choice above.
-        timeout: how long init and every collective may wait for the other ranks; a rank that
-            died makes the others fail after at most this long instead of hanging.
+        timeout: how long init and every collective may wait for the other ranks (a
+            ``timedelta`` or seconds); a rank that died makes the others fail after at most
+            this long instead of hanging. Collectives replayed inside CUDA graphs are not
+            covered (the watchdog does not see them): there torchrun's teardown ends the job.
+        capture_collectives: on NCCL, record collectives as capturable in CUDA graphs
+            (``llm.engine.capture_collectives``); gloo ignores it.
         environ: the environment to read (default ``os.environ``).
     Returns:
         this process's :class:`DistInfo`.
     Raises:
-        ConfigError: missing/invalid environment, unknown backend, or fewer visible GPUs than
-            ranks on this node.
+        ConfigError: missing/invalid environment, unknown backend, a timeout that is not
+            positive, or fewer visible GPUs than ranks on this node.
+        TypeError: a timeout that is neither a ``timedelta`` nor a number.
     """
+    global _capture_collectives
     info = env_info(environ)
+    timeout = _as_timedelta(timeout)
     dev = _resolve_device(device)
     if backend is None:
         backend = "nccl" if dev.type == "cuda" else "gloo"
@@ -169,6 +223,7 @@ def init_process_group(device: str | torch.device | None = "auto", *,
         check_device_count(info.local_world_size, torch.cuda.device_count())
         dev = torch.device("cuda", info.local_rank)
         torch.cuda.set_device(dev)
+    _capture_collectives = bool(capture_collectives)
     if dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (info.rank, info.world_size):
             raise ConfigError(
@@ -182,8 +237,15 @@ def init_process_group(device: str | torch.device | None = "auto", *,
 
 
 def destroy_process_group() -> None:
-    """Leave the default process group (no-op when none was initialized)."""
+    """Leave the default process group (no-op when none was initialized).
+
+    NOTE: CUDA graphs that captured NCCL collectives must be gone before the communicator is
+    destroyed (release them first, e.g. ``model.release_graphs()``); queued work is finished and
+    unreferenced graphs are collected here."""
     if is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        gc.collect()
         dist.destroy_process_group()
 
 
@@ -202,6 +264,19 @@ def world_size() -> int:
     return dist.get_world_size() if is_initialized() else 1
 
 
+def collectives_capturable() -> bool:
+    """Whether collectives recorded now may run inside CUDA graphs: NCCL only (gloo runs on the
+    host), and not when the group was joined with ``capture_collectives=False``."""
+    return is_initialized() and _capture_collectives and dist.get_backend() == "nccl"
+
+
+def comm_device() -> torch.device:
+    """The device of host-side collectives' tensors: the current GPU on NCCL, else the CPU."""
+    if is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 # ---- graph functions -----------------------------------------------------------------------------
 
 def _recording_world_size(op: str) -> int:
@@ -212,25 +287,27 @@ def _recording_world_size(op: str) -> int:
     return dist.get_world_size()
 
 
-def all_reduce(x: Tensor, capturable: bool = False) -> Tensor:
+def all_reduce(x: Tensor, capturable: bool | None = None) -> Tensor:
     """Record the sum of ``x`` over every rank of the default process group.
 
     Args:
         x: the rank's partial result (any shape; not bool).
-        capturable: allow the node inside a CUDA graph (NCCL only); by default it runs between
-            captured segments.
+        capturable: allow the node inside a CUDA graph (NCCL only); ``None`` follows
+            :func:`collectives_capturable`, ``False`` runs it between captured segments.
     Returns:
         a tensor of ``x``'s shape and dtype, equal on every rank.
     Raises:
         RecordError: without a process group.
     """
-    out = F.record("all_reduce", [x], world_size=_recording_world_size("all_reduce"),
-                   capturable=capturable)
+    ws = _recording_world_size("all_reduce")
+    if capturable is None:
+        capturable = collectives_capturable()
+    out = F.record("all_reduce", [x], world_size=ws, capturable=bool(capturable))
     assert isinstance(out, Tensor)
     return out
 
 
-def all_gather(x: Tensor, dim: int, capturable: bool = False) -> Tensor:
+def all_gather(x: Tensor, dim: int, capturable: bool | None = None) -> Tensor:
     """Record the concatenation of every rank's ``x`` along ``dim``, in rank order.
 
     The group size at record time is stored on the node; a run in a group of another size is
@@ -239,14 +316,17 @@ def all_gather(x: Tensor, dim: int, capturable: bool = False) -> Tensor:
     Args:
         x: the rank's slice (equal shapes on every rank).
         dim: the dim to concatenate along (may be negative).
-        capturable: allow the node inside a CUDA graph (NCCL only).
+        capturable: allow the node inside a CUDA graph (NCCL only); ``None`` follows
+            :func:`collectives_capturable`.
     Returns:
         ``x``'s shape with ``dim`` multiplied by the world size.
     Raises:
         RecordError: without a process group, or ``dim`` out of range.
     """
-    out = F.record("all_gather", [x], dim=dim, world_size=_recording_world_size("all_gather"),
-                   capturable=capturable)
+    ws = _recording_world_size("all_gather")
+    if capturable is None:
+        capturable = collectives_capturable()
+    out = F.record("all_gather", [x], dim=dim, world_size=ws, capturable=bool(capturable))
     assert isinstance(out, Tensor)
     return out
 
@@ -329,6 +409,42 @@ def describe_differences(configs: list[str], max_fields: int = 8) -> str:
     return "\n".join(lines)
 
 
+def all_gather_bytes(data: bytes) -> list[bytes]:
+    """All-gather a byte string of any length from every rank (no pickle crosses ranks).
+
+    Args:
+        data: this rank's bytes.
+    Returns:
+        every rank's bytes, in rank order (``[data]`` without a process group).
+    """
+    if world_size() == 1:
+        return [data]
+    return _gather_bytes(data, comm_device())
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's ``value`` (``value`` itself without a process group), e.g.
+    the KV-cache blocks that fit on every GPU, so that all ranks schedule alike."""
+    if world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return int(t.item())
+
+
+def broadcast_from_rank0(tensor: torch.Tensor) -> torch.Tensor:
+    """Overwrite ``tensor`` on every rank with rank 0's (in place; on :func:`comm_device`).
+
+    Args:
+        tensor: the same shape and dtype on every rank.
+    Returns:
+        ``tensor``.
+    """
+    if world_size() > 1:
+        dist.broadcast(tensor, src=0)
+    return tensor
+
+
 def _gather_bytes(data: bytes, device: torch.device) -> list[bytes]:
     """All-gather a byte string of any length from every rank (lengths first, then padded)."""
     n = dist.get_world_size()
@@ -336,8 +452,9 @@ def _gather_bytes(data: bytes, device: torch.device) -> list[bytes]:
     lengths = [torch.empty_like(length) for _ in range(n)]
     dist.all_gather(lengths, length)
     sizes = [int(t.item()) for t in lengths]
-    buf = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
+    buf = torch.zeros(max(max(sizes), 1), dtype=torch.uint8, device=device)
+    if data:  # torch.frombuffer refuses an empty buffer
+        buf[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
     parts = [torch.empty_like(buf) for _ in range(n)]
     dist.all_gather(parts, buf)
     return [bytes(p[:s].cpu().tolist()) for p, s in zip(parts, sizes)]
@@ -363,9 +480,7 @@ def check_same_config(obj: Any, *, what: str = "config",
     text = config_json(obj, exclude)
     if world_size() == 1:
         return
-    device = torch.device("cpu")
-    if dist.get_backend() == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = comm_device()
     digest = torch.tensor(list(hashlib.sha256(text.encode()).digest()), dtype=torch.uint8,
                           device=device)
     digests = [torch.empty_like(digest) for _ in range(world_size())]

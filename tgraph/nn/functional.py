@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import builtins
 import enum
-from typing import Any, Sequence
+import threading
+import weakref
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Iterator, Sequence
 
 import torch
 
 from tgraph.errors import RecordError, user_frame
+from tgraph.ir.network import Network
+from tgraph.ir.node import Node
+from tgraph.ir.ops import get_op
+from tgraph.ir.ops.transfer import normalize_placement
 from tgraph.ir.value import Value, ValueKind
 from tgraph.nn.network_manager import get_default_net
 from tgraph.nn.tensor import Tensor
@@ -51,12 +59,193 @@ def _as_value(x: Any, op: str) -> Value | None:
 def record(op: str, inputs: Sequence[Any], **attrs: Any) -> Tensor | tuple[Tensor, ...]:
     """Record ``op`` on ``inputs`` into the current network.
 
+    Inside a :func:`placement` (a placed module's call), values that live on another device are
+    first copied over by a ``to_device`` node (see :func:`placement`).
+
     Returns:
         the output tensor, or a tuple when the op has several outputs.
     """
     values = [_as_value(x, op) for x in inputs]
-    node = get_default_net().add_node(op, values, attrs, source=user_frame())
+    net = get_default_net()
+    state = _NETS.get(net) if _NETS else None
+    if state is None and _stack.labels:
+        state = _start_placement(net)
+    if state is None:
+        node = net.add_node(op, values, attrs, source=user_frame())
+    else:
+        node = _record_placed(net, state, op, values, attrs)
     return node.outputs[0] if len(node.outputs) == 1 else tuple(node.outputs)
+
+
+# ---- device placement ----------------------------------------------------------------------------
+# NOTE: placement is record-time bookkeeping kept beside the network. A network recorded with no
+# placement in effect gets none of it, so single-device recording is exactly as before.
+
+PLACEMENT = "placement"  # net.annotations key: {leaf value: placement label}
+MAIN_DEVICE = "main_device"  # net.annotations key: the network's main placement label
+
+
+class _Stack(threading.local):
+    def __init__(self) -> None:
+        self.labels: list[str] = []
+
+
+_stack = _Stack()
+
+
+@dataclass
+class _NetPlacement:
+    """Where each value of one network lives, and the copies already made (reused, not redone)."""
+
+    main: str
+    of: dict[Value, str]
+    copies: dict[tuple[int, str], Value]
+
+
+_NETS: "weakref.WeakKeyDictionary[Network, _NetPlacement]" = weakref.WeakKeyDictionary()
+# Leaves declared with place() before any op reads them: id -> (weak reference, label).
+_DECLARED: dict[int, tuple[weakref.ref, str]] = {}
+
+
+@contextmanager
+def placement(device: str | torch.device) -> Iterator[str]:
+    """Record the ops of the ``with`` block on ``device`` (a placed module's call enters this).
+
+    The first placement entered while recording a network is its *main* device: graph inputs not
+    declared elsewhere (:func:`place`) are expected there and the engine returns the outputs
+    there. An op reading a value that lives on another device reads a copy, recorded once per
+    (value, device) as a ``to_device`` node. An op outside any placement (glue code of an
+    unplaced module) runs where its first tensor operand lives. Weights live where
+    :func:`place` (or their module's placement) says, else where their data is on CUDA, else on
+    the main device; an input written in place (a KV cache) lives where it is written.
+
+    Args:
+        device: a placement label (``"cuda:1"``, ``"cpu:1"``) or torch device.
+
+    Yields:
+        The normalised label.
+    """
+    label = normalize_placement(device)
+    _stack.labels.append(label)
+    try:
+        yield label
+    finally:
+        _stack.labels.pop()
+
+
+def current_placement() -> str | None:
+    """The placement ops are recorded on now (``None`` outside any :func:`placement`)."""
+    return _stack.labels[-1] if _stack.labels else None
+
+
+def place(value: Value, device: str | torch.device) -> Value:
+    """Declare where a graph input or weight lives, before ops read it.
+
+    Args:
+        value: a leaf (``Tensor("k_cache_3", ...)`` or a ``Parameter``).
+        device: its placement label.
+
+    Returns:
+        ``value``.
+
+    Raises:
+        TypeError: ``value`` is not a leaf.
+    """
+    if not isinstance(value, Value) or value.producer is not None or \
+            value.kind is ValueKind.CONST:
+        raise TypeError(f"place() declares graph inputs and weights, got "
+                        f"{value.describe() if isinstance(value, Value) else type(value).__name__}")
+    label = normalize_placement(device)
+    key = id(value)
+
+    def forget(ref: weakref.ref, key: int = key) -> None:
+        entry = _DECLARED.get(key)
+        if entry is not None and entry[0] is ref:
+            del _DECLARED[key]
+
+    _DECLARED[key] = (weakref.ref(value, forget), label)
+    return value
+
+
+def declared_placement(value: Value) -> str | None:
+    """The label :func:`place` declared for ``value``, if any."""
+    entry = _DECLARED.get(id(value))
+    return entry[1] if entry is not None and entry[0]() is value else None
+
+
+def _start_placement(net: Network) -> _NetPlacement:
+    state = _NetPlacement(_stack.labels[0], {}, {})
+    _NETS[net] = state
+    net.annotations[MAIN_DEVICE] = state.main
+    net.annotations.setdefault(PLACEMENT, {})
+    return state
+
+
+def _where(net: Network, state: _NetPlacement, v: Value, written_on: str | None) -> str:
+    """Where ``v`` lives (deciding it, for a leaf read for the first time)."""
+    label = state.of.get(v)
+    if label is not None:
+        return label
+    label = declared_placement(v)
+    if label is None:
+        if v.kind is ValueKind.WEIGHT and isinstance(v.data, torch.Tensor) \
+                and v.data.device.type == "cuda":
+            label = normalize_placement(v.data.device)
+        elif v.kind is ValueKind.INPUT and written_on is not None:
+            label = written_on
+        else:
+            label = state.main
+    state.of[v] = label
+    if v.producer is None:
+        net.annotations[PLACEMENT][v] = label
+    return label
+
+
+def _record_placed(net: Network, state: _NetPlacement, op: str, values: list[Value | None],
+                   attrs: dict[str, Any]) -> Node:
+    source = user_frame()
+    tensors = [(i, v) for i, v in enumerate(values)
+               if v is not None and v.kind is not ValueKind.CONST]
+    if op == "to_device":  # an explicit copy runs on its destination and reads its source as is
+        for _, v in tensors:
+            _where(net, state, v, None)
+        target = attrs["device"]
+    else:
+        target = current_placement()
+        if target is None:
+            target = _where(net, state, tensors[0][1], None) if tensors else state.main
+        mutated = get_op(op).mutates
+        for i, v in tensors:
+            where = _where(net, state, v, target if i in mutated else None)
+            if where == target:
+                continue
+            if i in mutated:
+                raise RecordError(f"{op} on {target} writes {v.describe()} in place, but it "
+                                  f"lives on {where}: a copy would take the write. Allocate it "
+                                  f"on {target} (and declare it with F.place)\n  at {source}")
+            values[i] = _copy_to(net, state, v, target, source)
+    node = net.add_node(op, values, attrs, source=source)
+    for out in node.outputs:
+        state.of[out] = target
+    if op == "to_device" and tensors:  # later reads on that device reuse the explicit copy
+        state.copies.setdefault((tensors[0][1].id, target), node.outputs[0])
+    return node
+
+
+def _copy_to(net: Network, state: _NetPlacement, v: Value, target: str, source: str) -> Value:
+    key = (v.id, target)  # by id: Tensor's == records an op
+    copy = state.copies.get(key)
+    if copy is None:
+        copy = net.add_node("to_device", [v], {"device": target}, source=source).outputs[0]
+        state.of[copy] = target
+        state.copies[key] = copy
+    return copy
+
+
+def to_device(x: Tensor, device: str | torch.device) -> Tensor:
+    """A copy of ``x`` on ``device`` (a placement label). Networks spread over devices get these
+    automatically where a value crosses devices; call it to move a value explicitly."""
+    return _one("to_device", [x], device=normalize_placement(device))
 
 
 def _one(op: str, inputs: Sequence[Any], **attrs: Any) -> Tensor:
@@ -409,4 +598,17 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         ``[tokens, q_heads, head_dim]`` in q's dtype.
     """
     return _one("paged_attention", [q, k_cache, v_cache, block_table, kv_lens, query_start_loc],
+                scale=scale, sliding_window=sliding_window)
+
+
+def sdpa_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
+                   kv_lens: Tensor, query_start_loc: Tensor, *, scale: float | None = None,
+                   sliding_window: int | None = None) -> Tensor:
+    """Packed (prefill) causal attention over the paged cache through torch SDPA, one call per
+    sequence: the same operands and result as :func:`paged_attention` with ``query_start_loc``.
+
+    Returns:
+        ``[tokens, q_heads, head_dim]`` in q's dtype.
+    """
+    return _one("sdpa_attention", [q, k_cache, v_cache, block_table, kv_lens, query_start_loc],
                 scale=scale, sliding_window=sliding_window)

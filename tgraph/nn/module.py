@@ -12,7 +12,9 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from tgraph.errors import WeightLoadError
+from tgraph.ir.ops.transfer import normalize_placement, placement_device
 from tgraph.ir.value import ValueKind
+from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
 
 
@@ -50,7 +52,13 @@ class Parameter(Tensor):
 
 
 class Module:
-    """Base class of tgraph modules, in the style of ``torch.nn.Module``."""
+    """Base class of tgraph modules, in the style of ``torch.nn.Module``.
+
+    ``placement`` (a label such as ``"cuda:1"``, or ``None``) says where the module's weights live
+    and its ops run; see :meth:`place` and :func:`apply_placement`.
+    """
+
+    placement: str | None = None
 
     def __init__(self) -> None:
         object.__setattr__(self, "_modules", OrderedDict())
@@ -175,11 +183,29 @@ class Module:
             p.dtype = target
         return self
 
+    def place(self, device: str | torch.device) -> "Module":
+        """Run this module (and its children without a placement of their own) on ``device``.
+
+        Only marks the module; :func:`apply_placement` moves the weights (``tgraph.rules`` calls
+        it after applying ``device`` kwargs).
+
+        Args:
+            device: a placement label (``"cuda:1"``, ``"cpu:1"``) or torch device.
+
+        Returns:
+            ``self``.
+        """
+        object.__setattr__(self, "placement", normalize_placement(device))
+        return self
+
     # ---- calling ---------------------------------------------------------------------------------
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not self._named:
             self.assign_names()
-        return self.forward(*args, **kwargs)
+        if self.placement is None:
+            return self.forward(*args, **kwargs)
+        with F.placement(self.placement):
+            return self.forward(*args, **kwargs)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} does not define forward()")
@@ -193,6 +219,52 @@ class Module:
             body = repr(child).replace("\n", "\n  ")
             lines.append(f"  ({name}): {body}")
         return lines[0] + ")" if len(lines) == 1 else "\n".join(lines) + "\n)"
+
+
+def apply_placement(root: Module, default: str | torch.device) -> list[str]:
+    """Give every module a placement and move every weight to its module's device.
+
+    A module without a placement takes its parent's (the root takes ``default``). Each
+    Parameter moves once, to the device of the first module that owns it (top-down), and is
+    declared there for recording; its old copy is dropped, not kept. Data on the ``meta`` device
+    (a dry run) is not moved.
+
+    Args:
+        root: the model.
+        default: the root's placement when it has none (the model's device).
+
+    Returns:
+        Warnings: Parameters shared by modules on different devices (they stay on the first;
+        the others read a copy made at every step).
+    """
+    if root.placement is None:
+        root.place(default)
+    owner: dict[int, tuple[str, str]] = {}  # param id -> (label, module name)
+    warnings: list[str] = []
+
+    def visit(module: Module, name: str, label: str) -> None:
+        for pname, param in module._parameters.items():
+            first = owner.get(id(param))
+            if first is None:
+                owner[id(param)] = (label, name)
+                data = param.data
+                if isinstance(data, torch.Tensor) and data.device.type != "meta":
+                    target = placement_device(label)
+                    if data.device != target:
+                        param.data = data.to(target)
+                F.place(param, label)
+            elif first[0] != label:
+                full = f"{name}.{pname}" if name else pname
+                warnings.append(f"parameter {full!r} is shared with module {first[1]!r} on "
+                                f"{first[0]}: it stays there and {name!r} on {label} reads a "
+                                f"copy made at every step; place both on one device")
+        for child_name, child in module._modules.items():
+            if child.placement is None:
+                child.place(label)
+            visit(child, f"{name}.{child_name}" if name else child_name, child.placement)
+
+    visit(root, "", root.placement)
+    return warnings
 
 
 class ModuleList(Module):

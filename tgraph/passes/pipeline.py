@@ -5,6 +5,7 @@ from tgraph.passes.activation_fusion import SwiGLU
 from tgraph.passes.attention_fusion import RopeCache
 from tgraph.passes.canonicalize import RmsNormFusion, SiluFusion
 from tgraph.passes.cleanup import CommonSubexpressionElimination, DeadCodeElimination, NoOpRemoval
+from tgraph.passes.collective_fusion import AllReduceAddRmsNorm
 from tgraph.passes.linear_fusion import HorizontalLinear, LinearEpilogue
 from tgraph.passes.manager import Pass
 from tgraph.passes.norm_fusion import AddRmsNorm
@@ -13,8 +14,9 @@ from tgraph.passes.pointwise_fusion import PointwiseFusion
 
 def default_pipeline() -> list[Pass]:
     """Clean up; recognise primitives spelled in plain ops; merge linears that share an input
-    (so that SwiGLU sees packed gate|up); hand-written fusions; generated pointwise kernels for
-    what is left; clean up."""
+    (so that SwiGLU sees packed gate|up); hand-written fusions (the tensor-parallel
+    all-reduce + add + RMSNorm right after AddRmsNorm, which it builds on, and before pointwise
+    fusion could take the add); generated pointwise kernels for what is left; clean up."""
     return [
         NoOpRemoval(),
         CommonSubexpressionElimination(),
@@ -22,6 +24,7 @@ def default_pipeline() -> list[Pass]:
         RmsNormFusion(),
         HorizontalLinear(),
         AddRmsNorm(),
+        AllReduceAddRmsNorm(),
         SwiGLU(),
         RopeCache(),
         LinearEpilogue(),

@@ -1,11 +1,19 @@
-"""The model runner: turns one scheduler step into a model call and samples the next tokens."""
+"""The model runner: turns one scheduler step into a model call and samples the next tokens.
+
+Under tensor parallelism every rank runs the model on the same batch (the collectives inside
+need all of them), but only rank 0 samples: it broadcasts the sampled token ids, so every rank
+feeds the same tokens and its scheduler takes the same steps, whatever the random draws. Log
+probabilities stay on rank 0 (the other ranks report ``None``).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from tgraph.errors import TGraphError
 from tgraph.models.base.batch import BatchMeta
+from tgraph.nn import distributed
 from tgraph.runtime.sampler import PenaltyHistory, Sampler, TokenLogprobs
 from tgraph.runtime.sampling_params import SamplingParams
 from tgraph.runtime.scheduler import SchedulerOutput
@@ -33,19 +41,63 @@ def batch_from_schedule(out: SchedulerOutput) -> BatchMeta:
         logits_indices=indices, is_prefill=is_prefill, loras=[s.lora for s in scheduled])
 
 
+class RankFailedError(TGraphError, RuntimeError):
+    """Another rank failed in a step this rank took part in (its own error names the cause)."""
+
+
 class ModelRunner:
-    """Runs a graph model step by step and samples with :class:`Sampler`."""
+    """Runs a graph model step by step and samples with :class:`Sampler`.
+
+    Args:
+        model: a loaded graph model; its ``llm_config.rank`` / ``world_size`` say whether this
+            rank samples (rank 0) or receives rank 0's tokens.
+        sampler: the sampler (rank 0's is the one that draws).
+    """
 
     def __init__(self, model, sampler: Sampler | None = None) -> None:
         self.model = model
         self.sampler = sampler or Sampler()
+        c = model.llm_config
+        self.rank, self.world_size = c.rank, c.world_size
 
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """Run one scheduler step and return the next token of every request that has logits.
+
+        Raises:
+            RankFailedError: on ranks other than 0, when rank 0 failed to sample this step.
+        """
         batch = batch_from_schedule(out)
         logits = self.model.run(batch)
         wanted = [s for s in out.scheduled if s.needs_logits]
         if not wanted:
             return StepResult({}, {})
+        if self.world_size == 1:
+            return self._sample(wanted, logits)
+        return self._sample_on_rank0(wanted, logits)
+
+    def _sample_on_rank0(self, wanted: list, logits: torch.Tensor) -> StepResult:
+        """Rank 0 samples and broadcasts ``[status, *token_ids]``; a failed sampling is
+        broadcast too (status 1) before it is raised, so no rank waits for tokens forever."""
+        payload = torch.zeros(len(wanted) + 1, dtype=torch.int64, device=distributed.comm_device())
+        if self.rank != 0:
+            distributed.broadcast_from_rank0(payload)
+            status, *token_list = payload.tolist()
+            if status != 0:
+                raise RankFailedError("rank 0 failed while sampling this step; its error says why")
+            return StepResult({s.request_id: int(t) for s, t in zip(wanted, token_list)},
+                              {s.request_id: None for s in wanted})
+        try:
+            result = self._sample(wanted, logits)
+        except BaseException:
+            payload[0] = 1
+            distributed.broadcast_from_rank0(payload)
+            raise
+        payload[1:] = torch.tensor([result.tokens[s.request_id] for s in wanted],
+                                   dtype=torch.int64)
+        distributed.broadcast_from_rank0(payload)
+        return result
+
+    def _sample(self, wanted: list, logits: torch.Tensor) -> StepResult:
         logits = logits[: len(wanted)].float()
         params = [s.request.sampling_params or SamplingParams(temperature=0.0) for s in wanted]
         steps = [len(s.request.output_token_ids) for s in wanted]

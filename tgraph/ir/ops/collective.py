@@ -10,6 +10,10 @@ Collectives are never removed or merged by the clean-up passes (``OpDef.has_side
 unless a node sets ``capturable=True``, the partitioner gives each one a host segment of its own
 so that it runs outside CUDA graphs.
 
+``all_reduce_add_rms_norm`` is the fused op the ``AllReduceAddRmsNorm`` pass introduces for the
+tensor-parallel block boundary (``all_reduce`` of a row-parallel output, the residual add and the
+next RMSNorm). It is a collective too: same side effects, same host segment unless capturable.
+
 NOTE: ``reduce_scatter`` is not defined: no layer needs it yet, and gloo (the CPU backend the
 tests run on) does not implement it.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from tgraph.ir.ops.fused import _add_rms_norm_infer, add_rms_norm_reference
 from tgraph.ir.ops.registry import Meta, OpCategory, register_op, require
 from tgraph.ir.shape import normalize_dim
 
@@ -91,3 +96,28 @@ register_op("all_reduce", infer=_all_reduce_infer, reference=_all_reduce_ref,
 register_op("all_gather", infer=_all_gather_infer, reference=_all_gather_ref,
             category=OpCategory.COLLECTIVE,
             doc="Every rank's input concatenated along ``dim`` in rank order.")
+
+
+def _all_reduce_add_rms_norm_infer(x: Meta, residual: Meta, weight: Meta, *, eps: float,
+                                   world_size: int, capturable: bool = False,
+                                   reduce_in_place: bool = False) -> tuple[Meta, Meta]:
+    _check_tensor(x, "all_reduce_add_rms_norm")
+    _check_world_size(world_size, "all_reduce_add_rms_norm")
+    return _add_rms_norm_infer(x, residual, weight, eps=eps)
+
+
+def _all_reduce_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                                 *, eps: float, world_size: int, capturable: bool = False,
+                                 reduce_in_place: bool = False
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # The composition of the unfused references, so fused == unfused exactly on this backend.
+    # ``reduce_in_place`` only tells fast kernels that ``x`` is dead afterwards; the reference
+    # never writes its inputs.
+    reduced = _all_reduce_ref(x, world_size=world_size)
+    return add_rms_norm_reference(reduced, residual, weight, eps=eps)
+
+
+register_op("all_reduce_add_rms_norm", infer=_all_reduce_add_rms_norm_infer,
+            reference=_all_reduce_add_rms_norm_ref, category=OpCategory.COLLECTIVE,
+            doc="(rms_norm(all_reduce(x) + residual) * weight, all_reduce(x) + residual): the "
+                "tensor-parallel block boundary in one op")

@@ -1,6 +1,6 @@
 """Multi-LoRA: the per-token adapter delta of one (possibly packed) linear.
 
-``lora_delta(x, a_stack, b_stack, scaling, token_slots)`` computes, for every token ``t`` with
+``lora_delta(x, a_stack, b_stack, scaling, token_slots[, token_order, seg_start])`` computes, for every token ``t`` with
 adapter slot ``s = token_slots[t]``::
 
     delta[t] = scaling[s] * (x[t] @ a_stack[s].T) @ b_stack[s].T
@@ -28,7 +28,8 @@ from tgraph.ir.ops.registry import (
 from tgraph.ir.shape import dims_conflict
 
 
-def _lora_delta_infer(x: Meta, a: Meta, b: Meta, scaling: Meta, slots: Meta) -> Meta:
+def _lora_delta_infer(x: Meta, a: Meta, b: Meta, scaling: Meta, slots: Meta,
+                      order: Meta | None = None, seg_start: Meta | None = None) -> Meta:
     require_rank(x, 2, "lora_delta x ([tokens, in_features])")
     require_rank(a, 3, "lora_delta a_stack ([slots, rank, in_features])")
     require_rank(b, 3, "lora_delta b_stack ([slots, out_features, rank])")
@@ -51,13 +52,28 @@ def _lora_delta_infer(x: Meta, a: Meta, b: Meta, scaling: Meta, slots: Meta) -> 
         require(not dims_conflict(d1, d2),
                 f"lora_delta: {what} differ ({d1} vs {d2}); inputs x {x}, a_stack {a}, "
                 f"b_stack {b}, scaling {scaling}, token_slots {slots}")
+    require((order is None) == (seg_start is None),
+            "lora_delta: pass token_order and seg_start together, or neither")
+    if order is not None:
+        require_rank(order, 1, "lora_delta token_order ([tokens])")
+        require_rank(seg_start, 1, "lora_delta seg_start ([slots + 1])")
+        require_int(order, "lora_delta token_order")
+        require_int(seg_start, "lora_delta seg_start")
+        require(not dims_conflict(dim_of(order, 0), dim_of(x, 0)),
+                f"lora_delta: token_order {order} must have one entry per token of x {x}")
+        slots_n = dim_of(a, 0)
+        if isinstance(slots_n, int):
+            require(not dims_conflict(dim_of(seg_start, 0), slots_n + 1),
+                    f"lora_delta: seg_start {seg_start} must have slots + 1 = {slots_n + 1} entries")
     tokens = dim_of(x, 0)
     n = dim_of(b, 1)
     return Meta((tokens, n), x.dtype)
 
 
 def lora_delta_reference(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                         scaling: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+                         scaling: torch.Tensor, token_slots: torch.Tensor,
+                         token_order: torch.Tensor | None = None,
+                         seg_start: torch.Tensor | None = None) -> torch.Tensor:
     """The torch reference of ``lora_delta`` (fp32 accumulation, one GEMM pair per used slot).
 
     Args:
@@ -66,6 +82,9 @@ def lora_delta_reference(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.
         b_stack: ``[L, N, R]`` stacked B matrices.
         scaling: fp32 ``[L]`` per-slot scale.
         token_slots: int ``[T]`` adapter slot per token (0: none).
+        token_order, seg_start: optional grouping of the tokens by slot (token indices sorted
+            by slot, and where each slot's run starts), computed once per step by the caller
+            so kernels need not sort per linear; the reference does not need them.
 
     Returns:
         ``[T, N]`` in ``x``'s dtype.

@@ -1,12 +1,15 @@
 """Feature decorators: extra graphs stacked on a model by ``torch_to_graph``.
 
 A feature declares its name, whether it needs engines of its own, which features it stacks with,
-the symbolic inputs it adds, how it changes the recorded graph, and how it fills its inputs for
-a batch. The model builds one engine per combination of features actually used, lazily.
+the symbolic inputs it adds, how it changes the recorded graph, and its real inputs: tensors that
+stay resident across steps and small per-batch integer arrays. The model builds one engine per combination of features actually used, lazily.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
 
 from tgraph.errors import ConfigError
 from tgraph.nn.tensor import Tensor
@@ -48,8 +51,25 @@ class FeatureDecorator:
         """Whether this batch needs the feature's graph."""
         return False
 
+    def resident_inputs(self) -> dict[str, torch.Tensor]:
+        """Inputs that live across steps on the model's device (e.g. adapter weights).
+
+        They must keep their identity: change their contents in place, between steps. Captured
+        decode graphs read them by reference, so an update is seen by the next replay."""
+        return {}
+
+    def batch_arrays(self, batch: "BatchMeta") -> dict[str, np.ndarray]:
+        """Small per-batch integer inputs (e.g. the adapter of every token), as host arrays.
+
+        They are sent to the device together with the model's own batch inputs, in one copy."""
+        return {}
+
     def fill_inputs(self, batch: "BatchMeta", inputs: dict[str, Any]) -> None:
-        """Add this feature's real inputs for ``batch``."""
+        """Add this feature's real inputs for ``batch`` (resident tensors and batch arrays)."""
+        inputs.update(self.resident_inputs())
+        device = self.model.llm_config.device
+        for name, array in self.batch_arrays(batch).items():
+            inputs[name] = torch.from_numpy(np.ascontiguousarray(array)).to(device)
 
     def __repr__(self) -> str:
         return f"<feature {self.name}>"

@@ -16,9 +16,11 @@ import torch
 
 from tgraph.engine import Engine
 from tgraph.errors import ConfigError
+from tgraph.ir.ops.transfer import placement_device
 from tgraph.models.base.batch import BatchMeta, block_table_array, pad_decode
 from tgraph.models.base.causal_lm import FlashCausalLM
 from tgraph.models.base.features import FeatureDecorator, check_stackable
+from tgraph.nn import functional as F
 from tgraph.nn.network_manager import new_network, recording
 from tgraph.nn.tensor import Tensor
 
@@ -62,6 +64,17 @@ class GraphModel:
         """Run one step; returns logits ``[num_logits, vocab]`` (one row per logits index, or
         one per sequence in decode)."""
         return self._graph_state().run(batch)
+
+    def release_graphs(self) -> None:
+        """Drop every captured CUDA graph (they are captured again on the next decode step).
+        Needed before leaving a process group whose collectives the graphs captured."""
+        state = self._graph_state()
+        state.captured.clear()
+        state._staging.clear()
+        for engine in state.engines.values():
+            engine._captures.clear()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
 
     def capture_decode_graphs(self, buckets: Sequence[int] | None = None) -> list[int]:
         """Capture decode CUDA graphs for the batch buckets (largest first). Returns the
@@ -108,7 +121,8 @@ class GraphState:
         self.engines: dict[GraphKey, Engine] = {}
         self.build_seconds: dict[GraphKey, float] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.captured: set[int] = set()
+        self.captured: set[tuple[GraphKey, int]] = set()  # (engine key, batch bucket)
+        self._staging: dict[tuple[GraphKey, int], _Staging] = {}
         self.dump_dir: str | None = None  # write each engine's intermediates of its first step
         self._dumped: set[GraphKey] = set()
         self.features: dict[str, FeatureDecorator] = {
@@ -119,13 +133,29 @@ class GraphState:
         m, ws = self.config.model, self.config.world_size
         return max(1, m.num_key_value_heads // ws)
 
+    def _kv_cache_placements(self) -> list[str | None]:
+        """Each layer's KV-cache placement: that of the attention module using the cache (the
+        one whose ``layer_idx`` it is), ``None`` for a model without placements."""
+        labels: list[str | None] = [None] * self.config.model.num_hidden_layers
+        if self.model.placement is None:
+            return labels
+        for _, module in self.model.named_modules():
+            idx = module.__dict__.get("layer_idx")
+            if isinstance(idx, int) and 0 <= idx < len(labels) and module.placement is not None:
+                labels[idx] = module.placement
+        return labels
+
     def allocate_kv_cache(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         m, c = self.config.model, self.config
         shape = (num_blocks, c.block_size, self._kv_heads, m.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=c.dtype, device=c.device),
-                           torch.zeros(shape, dtype=c.dtype, device=c.device))
-                          for _ in range(m.num_hidden_layers)]
+        # Each layer's cache lives on its layer's device (placement rules), else the model's.
+        devices = [c.device if label is None else placement_device(label)
+                   for label in self._kv_cache_placements()]
+        self.kv_caches = [(torch.zeros(shape, dtype=c.dtype, device=dev),
+                           torch.zeros(shape, dtype=c.dtype, device=dev))
+                          for dev in devices]
         self.captured.clear()
+        self._staging.clear()
         for engine in self.engines.values():
             engine._captures.clear()
         return self.kv_caches
@@ -151,7 +181,19 @@ class GraphState:
             inputs["query_start_loc"] = Tensor("query_start_loc", i32, ("batch_plus_one",))
             inputs["lm_head_indices"] = Tensor("lm_head_indices", i32, ("num_logits",))
         inputs.update(self.model.extra_symbolic_inputs(is_prefill))
+        if self.model.placement is not None:
+            self._declare_placements(inputs)
         return inputs
+
+    def _declare_placements(self, inputs: dict[str, Any]) -> None:
+        """A model spread over devices: each KV cache is read where its layer runs, every other
+        input on the model's own device (where the batch is staged)."""
+        for name, value in inputs.items():
+            if isinstance(value, Tensor):
+                F.place(value, self.model.placement)
+        for label, pair in zip(self._kv_cache_placements(), inputs["kv_caches"]):
+            for cache in pair:
+                F.place(cache, label or self.model.placement)
 
     def _build(self, key: GraphKey) -> Engine:
         is_prefill, feature_names = key
@@ -191,9 +233,9 @@ class GraphState:
         check_stackable(used)
         return tuple(sorted(f.name for f in used))
 
-    def _engine_inputs(self, batch: BatchMeta, is_prefill: bool) -> dict[str, Any]:
-        """The batch's integer inputs, staged in one host array and sent in one copy."""
-        c = self.config
+    def _input_arrays(self, batch: BatchMeta, is_prefill: bool,
+                      feature_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        """The batch's integer inputs (the model's and its features') as int32 host arrays."""
         parts: dict[str, Any] = {
             "input_ids": batch.input_ids, "position_ids": batch.positions,
             "slots_mapping": batch.slots, "seq_len": batch.kv_lens,
@@ -202,17 +244,42 @@ class GraphState:
             parts["query_start_loc"] = np.concatenate(([0], np.cumsum(batch.query_lens)))
             parts["lm_head_indices"] = batch.default_logits_indices()
         arrays = {k: np.asarray(v, dtype=np.int32) for k, v in parts.items()}
-        arrays["block_table"] = block_table_array(batch.block_tables, c.max_blocks_per_seq)
+        arrays["block_table"] = block_table_array(batch.block_tables,
+                                                  self.config.max_blocks_per_seq)
+        for name in feature_names:
+            for k, a in self.features[name].batch_arrays(batch).items():
+                arrays[k] = np.asarray(a, dtype=np.int32)
+        return arrays
+
+    def _resident_inputs(self, feature_names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Tensors that outlive the step: KV caches and the features' resident inputs."""
+        inputs: dict[str, torch.Tensor] = {}
+        for i, (k, v) in enumerate(self.kv_caches):
+            inputs[f"k_cache_{i}"], inputs[f"v_cache_{i}"] = k, v
+        for name in feature_names:
+            inputs.update(self.features[name].resident_inputs())
+        return inputs
+
+    def _engine_inputs(self, batch: BatchMeta, is_prefill: bool,
+                       feature_names: tuple[str, ...] = ()) -> dict[str, Any]:
+        """All engine inputs of an uncaptured step; the integer ones in one host-to-device copy."""
+        arrays = self._input_arrays(batch, is_prefill, feature_names)
         flat = np.concatenate([a.reshape(-1) for a in arrays.values()])
-        device_flat = torch.from_numpy(flat).to(c.device, non_blocking=True)
+        device_flat = torch.from_numpy(flat).to(self.config.device, non_blocking=True)
         inputs: dict[str, Any] = {}
         offset = 0
         for name, a in arrays.items():
             inputs[name] = device_flat[offset:offset + a.size].view(a.shape)
             offset += a.size
-        for i, (k, v) in enumerate(self.kv_caches):
-            inputs[f"k_cache_{i}"], inputs[f"v_cache_{i}"] = k, v
+        inputs.update(self._resident_inputs(feature_names))
         return inputs
+
+    def _can_capture(self) -> bool:
+        c = self.config
+        return c.static and c.cuda_graph and c.device.type == "cuda"
+
+    def _bucket(self, num_seqs: int) -> int | None:
+        return next((b for b in sorted(self.config.batch_buckets) if b >= num_seqs), None)
 
     def run(self, batch: BatchMeta) -> torch.Tensor:
         if not self.kv_caches:
@@ -224,22 +291,40 @@ class GraphState:
                               f"{self.config.max_model_len}")
         is_prefill = batch.is_prefill
         num_seqs = batch.num_seqs
-        if not is_prefill and self.captured:
-            bucket = next((b for b in sorted(self.captured) if b >= num_seqs), None)
-            if bucket is not None:
-                batch = pad_decode(batch, bucket)
+        bucket = None if is_prefill or not self._can_capture() else self._bucket(num_seqs)
+        if bucket is not None:
+            batch = pad_decode(batch, bucket)
         key = (is_prefill, self._features_for(batch))
         engine = self.engines.get(key) or self._build(key)
-        inputs = self._engine_inputs(batch, is_prefill)
-        for name in key[1]:
-            self.features[name].fill_inputs(batch, inputs)
         extra_in, extra_out, runtime = self.model._update_model_inputs(batch)
-        inputs.update(extra_in)
-        if self.dump_dir is not None and key not in self._dumped:
-            self._dump(key, engine, inputs, runtime or None)
+        if bucket is not None:
+            # Decode through a CUDA graph: the step's integers go into the bucket's persistent
+            # staging buffers, which the graph reads in place (captured on first use).
+            staging = self._staging.get((key, bucket))
+            if staging is None:
+                staging = self._staging[(key, bucket)] = _Staging(
+                    self._input_arrays(batch, False, key[1]), self.config.device,
+                    self._resident_inputs(key[1]))
+            staging.write(self._input_arrays(batch, False, key[1]))
+            inputs = staging.inputs
+            if extra_in:
+                inputs = {**inputs, **extra_in}
+            if (key, bucket) not in self.captured:
+                self._dump_first(key, engine, inputs, runtime)
+                engine.capture(inputs, runtime or None, by_reference=list(staging.inputs))
+                self.captured.add((key, bucket))
+        else:
+            inputs = self._engine_inputs(batch, is_prefill, key[1])
+            inputs.update(extra_in)
+            self._dump_first(key, engine, inputs, runtime)
         outputs = engine.forward(inputs, extra_out or None, runtime or None)
         logits = outputs["model_out"]
         return logits if is_prefill else logits[:num_seqs]
+
+    def _dump_first(self, key: GraphKey, engine: Engine, inputs: dict[str, Any],
+                    runtime: dict[str, Any]) -> None:
+        if self.dump_dir is not None and key not in self._dumped:
+            self._dump(key, engine, inputs, runtime or None)
 
     def _dump(self, key: GraphKey, engine: Engine, inputs: dict[str, Any],
               runtime: dict[str, Any] | None) -> None:
@@ -269,18 +354,51 @@ class GraphState:
         logger.info("dumped %d intermediates of %s to %s", len(values), engine.net.name, directory)
 
     def capture_decode(self, buckets: Sequence[int] | None) -> list[int]:
-        c = self.config
-        if not (c.static and c.cuda_graph and c.device.type == "cuda"):
+        """Capture the base decode engine for ``buckets`` (largest first) ahead of time; other
+        engines (feature combinations) are captured on their first decode step."""
+        if not self._can_capture():
             return []
         if not self.kv_caches:
             raise ConfigError("allocate the KV cache before capturing decode graphs")
-        buckets = sorted(buckets or c.batch_buckets, reverse=True)
-        key = (False, ())
-        engine = self.engines.get(key) or self._build(key)
+        buckets = sorted(buckets or self.config.batch_buckets, reverse=True)
         for b in buckets:
             dummy = BatchMeta(input_ids=[0] * b, positions=[0] * b, slots=[-1] * b,
                               query_lens=[1] * b, kv_lens=[0] * b, block_tables=[[]] * b,
                               is_prefill=False)
-            engine.capture(self._engine_inputs(dummy, False))
-            self.captured.add(b)
+            self.run(dummy)
         return buckets
+
+
+class _Staging:
+    """Persistent buffers of one captured decode signature: a pinned host array and a device
+    array holding every integer input back to back, plus the resident inputs. ``inputs`` is
+    the same dict of the same tensor objects at every step, so the engine replays its graph
+    without binding or copying anything."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device,
+                 resident: dict[str, torch.Tensor]) -> None:
+        total = sum(a.size for a in arrays.values())
+        self.host = torch.empty(total, dtype=torch.int32, pin_memory=True)
+        self.host_np = self.host.numpy()
+        self.device_flat = torch.empty(total, dtype=torch.int32, device=device)
+        self.layout: list[tuple[str, int, int]] = []
+        self.inputs: dict[str, torch.Tensor] = {}
+        offset = 0
+        for name, a in arrays.items():
+            self.layout.append((name, offset, a.size))
+            self.inputs[name] = self.device_flat[offset:offset + a.size].view(a.shape)
+            offset += a.size
+        self.inputs.update(resident)
+        self._copied: torch.cuda.Event | None = None
+
+    def write(self, arrays: dict[str, np.ndarray]) -> None:
+        # The previous step's copy may still be queued behind the GPU: let it read the pinned
+        # buffer before it is overwritten.
+        if self._copied is not None:
+            self._copied.synchronize()
+        for name, offset, size in self.layout:
+            self.host_np[offset:offset + size] = arrays[name].reshape(-1)
+        self.device_flat.copy_(self.host, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()

@@ -1,8 +1,9 @@
 """LoRA feature decorators: one adapter for every request, or one adapter per request.
 
 Both features keep adapter weights as engine *inputs* of fixed shapes (every adapter is padded
-to ``max_rank``), filled per batch by :meth:`fill_inputs`: loading, activating or unloading an
-adapter never rebuilds an engine. Recording wraps the target linears so that their output gets
+to ``max_rank``) in resident buffers that loading, activating or unloading an adapter rewrites in
+place: no engine is rebuilt, and captured decode graphs read the new weights at their next
+replay. Recording wraps the target linears so that their output gets
 a LoRA delta; packed q/k/v and gate/up carry block-diagonal B matrices, so one delta covers the
 packed output (see :mod:`tgraph.layers.lora`).
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from tgraph.errors import ConfigError
@@ -124,9 +126,11 @@ class SingleLoraDecorator(_LoraFeature):
         super().__init__(model, settings)
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.active: str | None = None
+        self._resident: dict[str, torch.Tensor] | None = None
 
     def load(self, name: str, path: str | Path) -> None:
-        """Read the PEFT adapter at ``path`` under ``name`` (replacing one of that name).
+        """Read the PEFT adapter at ``path`` under ``name`` (replacing one of that name; if it
+        is the active adapter, the new weights apply from the next step).
 
         Raises:
             WeightLoadError / ConfigError: see :func:`tgraph.layers.lora.load_peft_adapter` and
@@ -139,9 +143,14 @@ class SingleLoraDecorator(_LoraFeature):
             packed[f"lora_a_{t.key}"] = a.to(self._device, self._dtype)
             packed[f"lora_b_{t.key}"] = b.to(self._device, self._dtype)
         self.adapters[name] = packed
+        if self.active == name:
+            self._copy_in(name)
 
     def activate(self, name: str | None) -> None:
         """Apply adapter ``name`` to every following batch (``None``: no adapter).
+
+        The adapter is copied into the resident input buffers, so engines (and captured decode
+        graphs) serve it without being rebuilt.
 
         Raises:
             KeyError: ``name`` is not loaded.
@@ -149,7 +158,15 @@ class SingleLoraDecorator(_LoraFeature):
         if name is not None and name not in self.adapters:
             raise KeyError(f"single_lora: adapter {name!r} is not loaded; loaded: "
                            f"{sorted(self.adapters)}")
+        if name is not None:
+            self._copy_in(name)
         self.active = name
+
+    def _copy_in(self, name: str) -> None:
+        if self._resident is None:
+            self._resident = {k: torch.empty_like(v) for k, v in self.adapters[name].items()}
+        for k, v in self.adapters[name].items():
+            self._resident[k].copy_(v)
 
     def unload(self, name: str) -> None:
         """Forget adapter ``name`` (deactivating it if active)."""
@@ -179,13 +196,18 @@ class SingleLoraDecorator(_LoraFeature):
     def is_used(self, batch: BatchMeta) -> bool:
         return self.active is not None
 
-    def fill_inputs(self, batch: BatchMeta, inputs: dict[str, Any]) -> None:
+    def resident_inputs(self) -> dict[str, torch.Tensor]:
+        if self.active is None or self._resident is None:
+            raise ConfigError("single_lora: no adapter is active; activate(name) first")
+        return dict(self._resident)
+
+    def batch_arrays(self, batch: BatchMeta) -> dict[str, np.ndarray]:
         named = {n for n in (batch.loras or ()) if n is not None and n != self.active}
         if named:
             raise ValueError(f"single_lora: adapter {self.active!r} is active for every request, "
                              f"but the batch names {sorted(named)}; deactivate it "
                              "(activate(None)) to serve per-request adapters")
-        inputs.update(self.adapters[self.active])
+        return {}
 
 
 class MultiLoraDecorator(_LoraFeature):
@@ -267,7 +289,10 @@ class MultiLoraDecorator(_LoraFeature):
     def symbolic_inputs(self, is_prefill: bool) -> dict[str, Tensor]:
         tokens = "num_tokens" if is_prefill else "batch"
         inputs = {"lora_scaling": Tensor("lora_scaling", torch.float32, (self.num_slots,)),
-                  "lora_token_slots": Tensor("lora_token_slots", torch.int32, (tokens,))}
+                  "lora_token_slots": Tensor("lora_token_slots", torch.int32, (tokens,)),
+                  "lora_token_order": Tensor("lora_token_order", torch.int32, (tokens,)),
+                  "lora_seg_start": Tensor("lora_seg_start", torch.int32,
+                                           (self.num_slots + 1,))}
         for t in self.targets:
             width = t.width(self.max_rank)
             for name, shape in ((f"lora_a_stack_{t.key}", (width, t.in_features)),
@@ -279,7 +304,8 @@ class MultiLoraDecorator(_LoraFeature):
         def delta(target: LoraTarget, x: Tensor) -> Tensor:
             return lora_delta(x, inputs[f"lora_a_stack_{target.key}"],
                               inputs[f"lora_b_stack_{target.key}"], inputs["lora_scaling"],
-                              inputs["lora_token_slots"])
+                              inputs["lora_token_slots"], inputs["lora_token_order"],
+                              inputs["lora_seg_start"])
         self._wrap(delta)
 
     def is_used(self, batch: BatchMeta) -> bool:
@@ -305,7 +331,13 @@ class MultiLoraDecorator(_LoraFeature):
             slots += [0 if n is None else self.slots[n]] * q
         return slots
 
-    def fill_inputs(self, batch: BatchMeta, inputs: dict[str, Any]) -> None:
-        inputs.update(self.stacks)
-        inputs["lora_token_slots"] = torch.tensor(self.token_slots(batch), dtype=torch.int32,
-                                                  device=self._device)
+    def resident_inputs(self) -> dict[str, torch.Tensor]:
+        return dict(self.stacks)
+
+    def batch_arrays(self, batch: BatchMeta) -> dict[str, np.ndarray]:
+        """The slot of every token, and the tokens grouped by slot (computed here once per step,
+        so the kernels of every adapted linear skip the sort)."""
+        slots = np.asarray(self.token_slots(batch), dtype=np.int32)
+        order = np.argsort(slots, kind="stable").astype(np.int32)
+        seg_start = np.searchsorted(slots[order], np.arange(self.num_slots + 1)).astype(np.int32)
+        return {"lora_token_slots": slots, "lora_token_order": order, "lora_seg_start": seg_start}
