@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from tgraph.bench.timing import Ceilings, measure_ceilings, time_ms
+from tgraph.bench.timing import Ceilings, host_ms, measure_ceilings, time_ms
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.config import ModelConfig
 from tgraph.models.base.weight_loader import DictWeightLoader
@@ -101,16 +101,7 @@ def bench_tgraph(model, batches: list[int], result: PresetResult, label: str) ->
         iters = 5 if label == "tgraph eager" else 30
         result.decode_ms[label][b] = time_ms(lambda: model.run(meta), warmup=3, iters=iters)
         if graphs:
-            # Host overhead: CPU time of one step while the GPU is idle.
-            torch.cuda.synchronize()
-            host = []
-            for _ in range(20):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                model.run(meta)
-                host.append((time.perf_counter() - t0) * 1e3)
-            torch.cuda.synchronize()
-            result.host_overhead_ms[b] = sorted(host)[len(host) // 2]
+            result.host_overhead_ms[b] = host_ms(lambda: model.run(meta))
     if graphs:
         for n, length in ((1, 2048), (8, 512)):
             meta = _prefill_batch(n, length, c.block_size)

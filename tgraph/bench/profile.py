@@ -6,12 +6,11 @@ Prints the device time of the captured step alone (graph replays), the time of t
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from tgraph.bench.models import CONTEXT, _decode_batch, random_weights
-from tgraph.bench.timing import time_ms
+from tgraph.bench.timing import host_ms, time_ms
 from tgraph.models.base.config import ModelConfig
 from tgraph.models.base.weight_loader import DictWeightLoader
 from tgraph.models.loading import build_model
@@ -46,14 +45,7 @@ def main() -> None:
           f"{len(engine.segments)} segments")
     print(f"  graph replay only: {time_ms(replay, iters=100):.3f} ms")
     print(f"  model.run (inputs + replay + logits): {time_ms(lambda: model.run(meta)):.3f} ms")
-    host = []
-    for _ in range(50):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        model.run(meta)
-        host.append((time.perf_counter() - start) * 1e3)
-    torch.cuda.synchronize()
-    print(f"  host time of model.run (GPU idle before it): {sorted(host)[len(host) // 2]:.3f} ms")
+    print(f"  host time of model.run (GPU idle before it): {host_ms(lambda: model.run(meta), iters=50):.3f} ms")
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(20):

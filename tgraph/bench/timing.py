@@ -2,10 +2,23 @@
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+
+def host_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """Median CPU milliseconds of ``fn`` started on an idle GPU (its host overhead)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return sorted(times)[len(times) // 2]
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 5, iters: int = 50,

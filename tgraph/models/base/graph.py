@@ -300,12 +300,12 @@ class GraphState:
         if bucket is not None:
             # Decode through a CUDA graph: the step's integers go into the bucket's persistent
             # staging buffers, which the graph reads in place (captured on first use).
+            arrays = self._input_arrays(batch, False, key[1])
             staging = self._staging.get((key, bucket))
             if staging is None:
                 staging = self._staging[(key, bucket)] = _Staging(
-                    self._input_arrays(batch, False, key[1]), self.config.device,
-                    self._resident_inputs(key[1]))
-            staging.write(self._input_arrays(batch, False, key[1]))
+                    arrays, self.config.device, self._resident_inputs(key[1]))
+            staging.write(arrays)
             inputs = staging.inputs
             if extra_in:
                 inputs = {**inputs, **extra_in}
