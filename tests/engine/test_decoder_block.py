@@ -108,6 +108,7 @@ def test_kernel_counts_with_and_without_passes():
     assert matches["RopeCache"] == 1
     assert matches["LinearEpilogue"] == 1  # the down projection absorbs the last residual add
     assert matches["HorizontalLinear"] == 0  # weights are graph inputs here: nothing to concat
+    assert matches["NormLinear"] == 0  # each norm feeds several linears
     ops = [n.op for n in fused.net.nodes if n.op not in VIEWS]
     assert ops == ["add_rms_norm", "linear", "linear", "linear", "rope_cache", "paged_attention",
                    "linear", "add_rms_norm", "linear", "linear", "silu_mul", "linear_epilogue"]
@@ -121,10 +122,15 @@ def test_weights_as_parameters_merge_qkv_and_gate_up():
     net = _record(torch.float32, params)
     fused = net.build_engine()
     assert {r.name: r.matches for r in fused.pass_records}["HorizontalLinear"] == 2
+    # NormLinear: the o projection absorbs the residual add, the second norm and the gate move
+    # into the gate|up linear.
+    assert {r.name: r.matches for r in fused.pass_records}["NormLinear"] == 3
     ops = [n.op for n in fused.net.nodes if n.op not in VIEWS]
-    assert ops == ["add_rms_norm", "linear", "rope_cache", "paged_attention", "linear",
-                   "add_rms_norm", "linear", "swiglu", "linear_epilogue"]
-    assert fused.stats.kernel_count == 9
+    assert ops == ["add_rms_norm", "linear", "rope_cache", "paged_attention", "linear_epilogue",
+                   "norm_linear", "linear_epilogue"]
+    assert fused.stats.kernel_count == 7
+    norm_linear = next(n for n in fused.net.nodes if n.op == "norm_linear")
+    assert norm_linear.attrs["act"] == "swiglu"
     assert "wq+wk+wv" in [v.name for v in fused.weights]
     got = fused.forward(_fresh(inputs))["out"]
     want = net.build_engine(passes=False).forward(_fresh(inputs))["out"]
@@ -167,6 +173,26 @@ def test_triton_backend_matches_reference_on_cpu_interpreter():
     torch.testing.assert_close(engine.forward(_fresh(small))["out"], ref_small, rtol=1e-4,
                                atol=1e-4)
     assert engine.plan is plan and engine.stats.bindings == 2
+
+
+@pytest.mark.parametrize("tokens", [3, 9])
+def test_norm_linear_on_triton_backend_matches_reference(tokens):
+    # 3 tokens run the fused GEMV (norm in the prologue, SwiGLU in the epilogue); 9 run the
+    # large-M path (norm kernel, GEMM, gate kernel). fp32 under the interpreter: 1e-4 covers the
+    # fused kernel's other summation order and its unrounded normed activations at K <= 96.
+    inputs = _inputs(torch.float32)
+    params = {k: inputs.pop(k) for k in WEIGHTS}
+    net = _record(torch.float32, params)
+    if tokens == 3:
+        for k in ("hidden", "residual", "cos", "sin", "slots"):
+            inputs[k] = inputs[k][:3]
+        inputs.update(kv_lens=torch.tensor([3], dtype=torch.int32),
+                      query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+                      block_table=inputs["block_table"][:1])
+    ref = net.build_engine(backend="reference").forward(_fresh(inputs))["out"]
+    engine = net.build_engine(backend="triton")
+    assert "triton.norm_linear" in str(engine)
+    torch.testing.assert_close(engine.forward(_fresh(inputs))["out"], ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

@@ -841,6 +841,34 @@ def _epilogue_samples(dtype: torch.dtype) -> list[Sample]:
     ]
 
 
+def _norm_linear_fn(x, g, w, eps, gated=False):
+    out = F.linear(F.rms_norm(x, g, eps), w)
+    if not gated:
+        return out
+    gate, up = F.split(out, [out.shape[-1] // 2] * 2, -1)
+    return F.silu(gate) * up
+
+
+def _norm_linear_expect(x, g, w, eps, gated=False):
+    out = torch.einsum("...k,nk->...n", _rms_expect(x, g, eps), w)
+    if not gated:
+        return out
+    gate, up = out.chunk(2, dim=-1)
+    return _silu64(gate) * up
+
+
+def _norm_linear_samples(dtype: torch.dtype) -> list[Sample]:
+    r = lambda *s: rand(*s, dtype=dtype, lo=-1, hi=1)  # noqa: E731
+    # Weights of scale 1/sqrt(K), as in a model: the normed activations are O(1) and rounded to
+    # the dtype before the matmul (the unfused order), which the fp64 expectation does not do;
+    # this keeps that rounding within the dtype's tolerance.
+    w = (r(16, 32).double() / 32**0.5).to(dtype)
+    return [Sample({"x": r(3, 32)}, {"eps": 1e-5, "gated": gated},
+                   weights={"g": rand(32, dtype=dtype, lo=0.5, hi=1.5), "w": w},
+                   shapes={"x": ("batch", 32)})
+            for gated in (False, True)]
+
+
 def _merged_linear_samples(dtype: torch.dtype) -> list[Sample]:
     r = lambda *s: rand(*s, dtype=dtype, lo=-1, hi=1)  # noqa: E731
     return [Sample({"x": r(5, 16)}, weights={"wq": r(8, 16), "wk": r(4, 16), "wv": r(4, 16)},
@@ -858,6 +886,9 @@ FUSED_INFOS = [
            fused_into="rope_cache"),
     OpInfo("fused_linear_epilogue", _epilogue_fn, _epilogue_expect, _epilogue_samples,
            fused_into="linear_epilogue"),
+    # RMSNorm into the linear after it (and the gate after that), by NormLinear.
+    OpInfo("fused_norm_linear", _norm_linear_fn, _norm_linear_expect, _norm_linear_samples,
+           fused_into="norm_linear"),
     # q/k/v projections of one input, with weights: merged into one GEMM by HorizontalLinear.
     OpInfo("merged_qkv_linear",
            lambda x, wq, wk, wv: (F.linear(x, wq), F.linear(x, wk), F.linear(x, wv)),

@@ -177,6 +177,32 @@ def _linear_epilogue(outs: Outs, x, w, bias=None, residual=None, *, transpose_b=
     return outs[0]
 
 
+@_register("norm_linear")
+def _norm_linear(outs: Outs, x, norm_weight, w, bias=None, *, eps, act=None):
+    out2 = outs[0].view(-1, outs[0].shape[-1])
+    x2 = _rows(x)
+    m, k = x2.shape
+    fused_ok = (norm_weight is None or norm_weight.dtype == x2.dtype) and w.stride(-1) == 1
+    if fused_ok and (w.is_cuda or _force_triton(x2)):
+        from tgraph.kernels.triton.gemv import prefer_small_m, small_m_linear
+
+        if prefer_small_m(m, w.shape[0], k):
+            small_m_linear(x2, w, out2, bias=bias, norm_eps=eps, norm_weight=norm_weight,
+                           gated=act == "swiglu")
+            return outs[0]
+    # Larger M: the norm into a scratch buffer, then the GEMM (and the gate) as unfused.
+    normed = torch.empty_like(x2) if norm_weight is None else torch.empty(
+        x2.shape, dtype=torch.promote_types(x2.dtype, norm_weight.dtype), device=x2.device)
+    _rms_norm([normed], x2, norm_weight, eps=eps)
+    if act is None:
+        _matmul_into(out2, normed, w, bias, None, True)
+        return outs[0]
+    gate_up = torch.empty(m, w.shape[0], dtype=out2.dtype, device=out2.device)
+    _matmul_into(gate_up, normed, w, bias, None, True)
+    _swiglu([out2], gate_up)
+    return outs[0]
+
+
 @_register("matmul")
 def _matmul(outs: Outs, a, b):
     torch.matmul(a, b, out=outs[0])

@@ -8,7 +8,7 @@ from tgraph.passes.cleanup import CommonSubexpressionElimination, DeadCodeElimin
 from tgraph.passes.collective_fusion import AllReduceAddRmsNorm
 from tgraph.passes.linear_fusion import HorizontalLinear, LinearEpilogue
 from tgraph.passes.manager import Pass
-from tgraph.passes.norm_fusion import AddRmsNorm
+from tgraph.passes.norm_fusion import AddRmsNorm, NormLinear
 from tgraph.passes.pointwise_fusion import PointwiseFusion
 
 
@@ -16,7 +16,8 @@ def default_pipeline() -> list[Pass]:
     """Clean up; recognise primitives spelled in plain ops; merge linears that share an input
     (so that SwiGLU sees packed gate|up); hand-written fusions (the tensor-parallel
     all-reduce + add + RMSNorm right after AddRmsNorm, which it builds on, and before pointwise
-    fusion could take the add); generated pointwise kernels for what is left; clean up."""
+    fusion could take the add; norms and gates into the linears around them once the norm and
+    gate ops exist); generated pointwise kernels for what is left; clean up."""
     return [
         NoOpRemoval(),
         CommonSubexpressionElimination(),
@@ -27,6 +28,7 @@ def default_pipeline() -> list[Pass]:
         AllReduceAddRmsNorm(),
         SwiGLU(),
         RopeCache(),
+        NormLinear(),
         LinearEpilogue(),
         PointwiseFusion(),
         DeadCodeElimination(),

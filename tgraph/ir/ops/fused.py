@@ -96,6 +96,28 @@ register_op("linear_epilogue", infer=_linear_epilogue_infer, reference=linear_ep
             doc="act(x @ w.T + bias) + residual, with the epilogue in the matmul kernel")
 
 
+NORM_LINEAR_ACTIVATIONS = ("swiglu",)
+
+
+def _norm_linear_infer(x, norm_weight, w, bias=None, *, eps, act=None):
+    require(act is None or act in NORM_LINEAR_ACTIVATIONS,
+            f"norm_linear: unknown activation {act!r} (expected None or one of {NORM_LINEAR_ACTIVATIONS})")
+    out = _linear_infer(_norm_infer(x, norm_weight, eps=eps), w, bias)
+    return _swiglu_infer(out) if act == "swiglu" else out
+
+
+def norm_linear_reference(x, norm_weight, w, bias=None, *, eps, act=None):
+    out = _linear_ref(rms_norm_reference(x, norm_weight, eps=eps), w, bias)
+    return swiglu_reference(out) if act == "swiglu" else out
+
+
+register_op("norm_linear", infer=_norm_linear_infer, reference=norm_linear_reference,
+            category=OpCategory.FUSED,
+            doc="act(rms_norm(x) * norm_weight @ w.T + bias): the pre-norm linear, act None or "
+                "swiglu on the packed gate|up output; at decode the norm and the gate run inside "
+                "the GEMV")
+
+
 def _silu_mul_infer(a: Meta, b: Meta) -> Meta:
     out = _binary(a, b)
     require(out.shape == a.shape or out.shape is None,

@@ -1,4 +1,5 @@
-"""Small-M linear (decode GEMV) with an optional split-K: ``out = x @ weight.T + bias + residual``.
+"""Small-M linear (decode GEMV) with an optional split-K: ``out = x @ weight.T + bias + residual``,
+optionally with the RMSNorm before it and the SwiGLU after it fused in.
 
 At decode a linear layer sees a handful of rows (M = batch, 1..32) against a weight of millions of
 elements, so its time is the time to stream the weight from HBM once. The kernel is built around
@@ -13,6 +14,16 @@ block. NOTE: the split is deterministic and two-phase: phase 1 writes fp32 parti
 atomics, gives bit-identical results run to run, and both launches take their grids from shapes
 only, so the pair is CUDA-graph capturable (pass a preallocated ``workspace`` of
 :func:`workspace_size` fp32 elements to keep allocation out of the captured region).
+
+Decode fusions (constexpr switches, so a plain linear compiles to the same code as before):
+
+- RMSNorm prologue (``norm_eps``): ``x`` is multiplied by the norm weight as it is streamed and
+  the rows' sums of squares are accumulated alongside; ``1 / rms`` factors out of the dot product,
+  so it scales the accumulator once after the loop. With split-K every split needs the whole row,
+  so a short pre-pass over ``x`` (L2-resident: a few KB per row) computes the sums first.
+- SwiGLU epilogue (``gated``): on a packed ``[2N, K]`` gate|up weight a program computes the same
+  columns of both halves (a second accumulator) and writes ``silu(gate) * up``: the ``[M, 2N]``
+  product is never stored and the activation needs no launch.
 
 Inner product by bucket of M (``BLOCK_M``, a constexpr padded from M so one compiled kernel serves
 every M of the bucket):
@@ -47,17 +58,65 @@ _MAX_SPLIT_K = 16
 _MAX_BLOCK_M = 32
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCE_BLOCK_N = 1024
+# Largest M that prefer_small_m sends to this kernel; TGRAPH_SMALL_M_MAX overrides it (read once,
+# for A/B measurements of whole decode steps).
+_SMALL_M_MAX = int(os.environ.get("TGRAPH_SMALL_M_MAX", "4"))
+
+
+@triton.jit
+def _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M: tl.constexpr, NORM: tl.constexpr,
+                 HAS_G: tl.constexpr):
+    """One ``[BLOCK_M, BLOCK_K]`` tile of ``x`` and its rows' sums of squares (when ``NORM``).
+
+    With ``NORM`` the tile comes back in fp32 and multiplied by the norm weight ``g``; the rows'
+    ``1 / rms`` is applied to the accumulator after the loop (it factors out of the dot product).
+    """
+    xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    # One return: the compiler wants one signature (the branches are resolved at compile time).
+    if NORM:
+        xf = xv.to(tl.float32)
+        sq = tl.sum(xf * xf, axis=1)
+        if HAS_G:
+            xf = xf * tl.load(g_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)[None, :]
+        tile = xf
+    else:
+        sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        tile = xv
+    return tile, sq
+
+
+@triton.jit
+def _mac(acc, w, xv, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr):
+    """``acc += x_tile . w_tile`` for one K tile, by M bucket (see the module docstring)."""
+    if BLOCK_M == 1:
+        # acc is [BLOCK_N, BLOCK_K]: elementwise FMA, reduced over K once after the loop.
+        return acc + w.to(tl.float32) * xv.to(tl.float32)
+    elif BLOCK_M < 16:
+        return acc + tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    elif F32_DOT:
+        # Full-precision fp32 products (not TF32); see _use_f32_dot.
+        return tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        return tl.dot(xv.to(w.dtype), tl.trans(w), acc)
 
 
 @triton.jit
 def _small_m_linear_kernel(
-    x_ptr, w_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr,
-    M, N, K, k_per_split,
+    x_ptr, w_ptr, g_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr,
+    M, N, K, k_per_split, gate_rows, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
+    NORM: tl.constexpr, HAS_G: tl.constexpr, NORM_PREPASS: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, PDL: tl.constexpr,
 ):
+    """Output columns ``[pid_n * BLOCK_N, +BLOCK_N)`` of ``BLOCK_M`` rows over one K split.
+
+    ``NORM``: ``x`` is RMS-normalised on the fly (times ``g`` when ``HAS_G``); the sums of squares
+    come from the main loop, or from a pass over all of K first (``NORM_PREPASS``) when K is split.
+    ``GATED``: the program also computes the same columns of the "up" half (weight rows
+    ``gate_rows + n``) and the output is ``silu(gate) * up`` (N counts the output columns).
+    """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
@@ -68,90 +127,121 @@ def _small_m_linear_kernel(
     mask_n = offs_n < N
     # int64 row offsets: a vocabulary projection can exceed 2**31 weight elements.
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    u_rows = w_rows + gate_rows.to(tl.int64) * stride_wn  # the "up" rows when GATED
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
 
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
 
     if BLOCK_M == 1:
-        acc2 = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        first = k_start
-        if PDL:
-            # The weight is never written by an earlier kernel: stream its first tile while the
-            # previous kernel drains, then wait for the activations (see tgraph.kernels.triton.pdl).
-            offs_k = k_start + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_end
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            pdl_wait(PDL)
-            xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc2 += w.to(tl.float32) * xv.to(tl.float32)
-            first = k_start + BLOCK_K
-        for k0 in range(first, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_end
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            acc2 += w.to(tl.float32) * xv.to(tl.float32)
-        acc = tl.sum(acc2, axis=1)[None, :]
-    elif BLOCK_M < 16:
-        pdl_wait(PDL)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_end
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            prod = xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            acc += tl.sum(prod, axis=2)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
-        pdl_wait(PDL)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_start, k_end, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < k_end
-            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            xv = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-            if F32_DOT:
-                # Full-precision fp32 products (not TF32); see _use_f32_dot.
-                acc += tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(xv, tl.trans(w))
+    acc_u = tl.zeros_like(acc)
+    sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+
+    # First K tile: its weights do not depend on any earlier kernel, so they are loaded before
+    # the PDL wait and stream while the previous kernel drains (see tgraph.kernels.triton.pdl).
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < k_end
+    mask_w = mask_n[:, None] & mask_k[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
+    if GATED:
+        w_u = tl.load(u_rows + offs_k[None, :], mask=mask_w, other=0.0)
+    pdl_wait(PDL)
+    if NORM_PREPASS:
+        # K is split: every split needs the whole rows' sums of squares.
+        for k0 in range(0, K, BLOCK_K):
+            offs_p = k0 + tl.arange(0, BLOCK_K)
+            xp = tl.load(x_rows + offs_p[None, :], mask=mask_m[:, None] & (offs_p < K)[None, :], other=0.0)
+            xp = xp.to(tl.float32)
+            sq += tl.sum(xp * xp, axis=1)
+    xv, part = _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G)
+    if not NORM_PREPASS:
+        sq += part
+    acc = _mac(acc, w, xv, BLOCK_M, F32_DOT)
+    if GATED:
+        acc_u = _mac(acc_u, w_u, xv, BLOCK_M, F32_DOT)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < k_end
+        mask_w = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
+        if GATED:
+            w_u = tl.load(u_rows + offs_k[None, :], mask=mask_w, other=0.0)
+        xv, part = _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G)
+        if not NORM_PREPASS:
+            sq += part
+        acc = _mac(acc, w, xv, BLOCK_M, F32_DOT)
+        if GATED:
+            acc_u = _mac(acc_u, w_u, xv, BLOCK_M, F32_DOT)
+
+    if BLOCK_M == 1:
+        acc = tl.sum(acc, axis=1)[None, :]
+        acc_u = tl.sum(acc_u, axis=1)[None, :]
+    if NORM:
+        rstd = tl.math.rsqrt(sq / K + eps)
+        acc = acc * rstd[:, None]
+        acc_u = acc_u * rstd[:, None]
 
     mask_mn = mask_m[:, None] & mask_n[None, :]
     if WRITE_PARTIAL:
-        ws = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * N + offs_n[None, :]
+        # Workspace [split, M, N] (GATED: [split, M, 2N], gate columns then up columns).
+        width = 2 * N if GATED else N
+        ws = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * width + offs_n[None, :]
         tl.store(ws, acc, mask=mask_mn)
+        if GATED:
+            tl.store(ws + N, acc_u, mask=mask_mn)
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        if HAS_RES:
-            res = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :]
-            acc += tl.load(res, mask=mask_mn, other=0.0).to(tl.float32)
-        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_mn)
+        out = _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_mn, gate_rows,
+                        stride_rm, HAS_BIAS, HAS_RES, GATED)
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
+def _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_mn, gate_rows, stride_rm,
+              HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr):
+    """Bias, the gate (``silu(gate) * up``) and the residual, on fp32 ``[BLOCK_M, BLOCK_N]``."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        if GATED:
+            acc_u += tl.load(bias_ptr + gate_rows + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_u
+    if HAS_RES:
+        res = res_ptr + offs_m.to(tl.int64)[:, None] * stride_rm + offs_n[None, :]
+        acc += tl.load(res, mask=mask_mn, other=0.0).to(tl.float32)
+    return acc
 
 
 @triton.jit
 def _split_k_reduce_kernel(
     ws_ptr, bias_ptr, res_ptr, out_ptr,
-    M, N, split_k,
+    M, N, split_k, gate_rows,
     stride_rm, stride_om,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
     m = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    width = 2 * N if GATED else N
+    acc = tl.zeros((1, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((1, BLOCK_N), dtype=tl.float32)
     # Fixed summation order over the splits: deterministic results.
     for s in range(0, split_k):
-        acc += tl.load(ws_ptr + (s * M + m) * N + offs_n, mask=mask_n, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    if HAS_RES:
-        acc += tl.load(res_ptr + m * stride_rm + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    tl.store(out_ptr + m * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+        row = ws_ptr + (s * M + m) * width + offs_n[None, :]
+        acc += tl.load(row, mask=mask_n[None, :], other=0.0)
+        if GATED:
+            acc_u += tl.load(row + N, mask=mask_n[None, :], other=0.0)
+    offs_m = m + tl.arange(0, 1)
+    out = _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_n[None, :],
+                    gate_rows, stride_rm, HAS_BIAS, HAS_RES, GATED)
+    tl.store(out_ptr + m * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask_n[None, :])
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,17 +284,20 @@ def prefer_small_m(M: int, N: int, K: int) -> bool:
     """
     # Measured on an H200 (tgraph.bench.tune_gemv, 2026-11-21): at M=1 the tuned kernel beats
     # cuBLAS on every Llama/Qwen linear; at M=16 cuBLAS ties or wins, so it takes M > 4.
-    return 1 <= M <= 4 and N >= 16 and K >= 16
+    return 1 <= M <= _SMALL_M_MAX and N >= 16 and K >= 16
 
 
-def choose_config(M: int, N: int, K: int, device: torch.device | str | None = None) -> tuple[int, int, int, int]:
+def choose_config(M: int, N: int, K: int, device: torch.device | str | None = None,
+                  gated: bool = False) -> tuple[int, int, int, int]:
     """Pick the launch configuration of :func:`small_m_linear`.
 
     Args:
         M: rows of ``x``.
-        N: output features (rows of ``weight``).
+        N: output features (rows of ``weight``; with ``gated``, half of them).
         K: input features.
         device: device the kernel runs on; its SM count decides split-K (132 when not CUDA).
+        gated: the program also reads the "up" rows (two weight tiles per step), so the M=1
+            path halves its output block to keep the same registers and bytes in flight.
 
     Returns:
         ``(BLOCK_N, BLOCK_K, split_k, num_warps)``. Every split gets the same whole number of
@@ -219,6 +312,8 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
         # Sweep on an H200: 1024-wide K tiles and no split-K were best at every model shape
         # (8 rows of output per program for narrow outputs, 16 otherwise).
         block_n = 8 if N <= 2048 else 16
+        if gated:
+            block_n //= 2
         block_k = min(1024, k_pow2)
         return block_n, max(block_k, 16), 1, 4
     elif block_m < 16:
@@ -240,18 +335,19 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
     return block_n, block_k, split_k, num_warps
 
 
-def workspace_size(M: int, N: int, split_k: int) -> int:
+def workspace_size(M: int, N: int, split_k: int, gated: bool = False) -> int:
     """Number of fp32 elements of the split-K workspace (0 when ``split_k == 1``).
 
     Args:
         M: rows of ``x``.
         N: output features.
         split_k: the split chosen by :func:`choose_config` (or forced by the caller).
+        gated: a gated linear keeps the gate and the up partial sums (twice the space).
 
     Returns:
-        ``split_k * M * N`` when ``split_k > 1``, else 0.
+        ``split_k * M * N`` (times 2 when gated) when ``split_k > 1``, else 0.
     """
-    return split_k * M * N if split_k > 1 else 0
+    return split_k * M * N * (2 if gated else 1) if split_k > 1 else 0
 
 
 def _check_matrix(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
@@ -276,23 +372,37 @@ def small_m_linear(
     workspace: torch.Tensor | None = None,
     split_k: int | None = None,
     config: tuple[int, int, int, int, int] | None = None,
+    *,
+    norm_eps: float | None = None,
+    norm_weight: torch.Tensor | None = None,
+    gated: bool = False,
 ) -> torch.Tensor:
-    """``out = x @ weight.T + bias + residual`` for small M, reading the weight once.
+    """``out = act(norm(x) @ weight.T + bias) + residual`` for small M, reading the weight once.
+
+    The plain call is ``out = x @ weight.T (+ bias) (+ residual)``. Two fusions for decode:
+
+    - ``norm_eps`` given: ``x`` is replaced by ``rms_norm(x) * norm_weight`` computed on the fly
+      (the RMSNorm that precedes the linear, without its own launch or output).
+    - ``gated``: ``weight`` is a packed ``[2N, K]`` gate|up weight and ``out`` gets
+      ``silu(x @ gate.T) * (x @ up.T)`` (SwiGLU, without writing the ``[M, 2N]`` product).
 
     Args:
         x: ``[M, K]`` activations (fp16/bf16/fp32, same dtype as ``weight``); rows may be strided.
-        weight: ``[N, K]`` in torch ``Linear`` layout (row-major along K).
+        weight: ``[N, K]`` (``[2N, K]`` when gated) in torch ``Linear`` layout (row-major along K).
         out: ``[M, N]`` output (any supported dtype; written, never allocated). May alias
             ``residual`` (each element is read and then written by the same program); must not
             overlap ``x``.
-        bias: optional ``[N]``.
-        residual: optional ``[M, N]`` added in the epilogue.
+        bias: optional ``[N]`` (``[2N]`` when gated, added before the gate).
+        residual: optional ``[M, N]`` added last.
         workspace: optional fp32 tensor with at least :func:`workspace_size` elements, used when
             ``split_k > 1``; allocated here when omitted (pass one under CUDA-graph capture to keep
-            the allocation out of the graph).
+            the allocation out of the captured region).
         split_k: force the number of K splits (>= 1); default from :func:`choose_config`.
         config: ``(BLOCK_N, BLOCK_K, split_k, num_warps, num_stages)`` instead of the heuristic
             (for tuning; see ``tgraph.bench.tune_gemv``).
+        norm_eps: RMSNorm epsilon; fuses the norm of ``x`` when given.
+        norm_weight: optional ``[K]`` RMSNorm weight in ``x``'s dtype (needs ``norm_eps``).
+        gated: SwiGLU on a packed gate|up weight.
 
     Returns:
         ``out``.
@@ -302,19 +412,30 @@ def small_m_linear(
     M, K = x.shape
     if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
         raise ValueError(f"small_m_linear: weight must be a 2-D [N, K] tensor, got {getattr(weight, 'shape', type(weight))}")
-    N = weight.shape[0]
+    if gated and weight.shape[0] % 2:
+        raise ValueError(f"small_m_linear: a gated weight packs gate|up rows, so needs an even row count, "
+                         f"got {list(weight.shape)}")
+    N = weight.shape[0] // 2 if gated else weight.shape[0]
     device = x.device
     _check_matrix("x", x, (M, K), device)
-    _check_matrix("weight", weight, (N, K), device)
+    _check_matrix("weight", weight, (weight.shape[0], K), device)
     _check_matrix("out", out, (M, N), device)
     if weight.dtype != x.dtype:
         raise TypeError(f"small_m_linear: weight dtype {weight.dtype} must match x dtype {x.dtype}")
     if bias is not None:
-        _check_matrix("bias", bias, (N,), device)
+        _check_matrix("bias", bias, (weight.shape[0],), device)
     if residual is not None:
         _check_matrix("residual", residual, (M, N), device)
         if residual.data_ptr() == out.data_ptr() and residual.stride() != out.stride():
             raise ValueError("small_m_linear: out aliases residual with different strides")
+    if norm_weight is not None:
+        if norm_eps is None:
+            raise ValueError("small_m_linear: norm_weight needs norm_eps (the RMSNorm epsilon)")
+        _check_matrix("norm_weight", norm_weight, (K,), device)
+        if norm_weight.dtype != x.dtype:
+            raise TypeError(f"small_m_linear: norm_weight dtype {norm_weight.dtype} must match x dtype {x.dtype}")
+    if norm_eps is not None and not (isinstance(norm_eps, (int, float)) and norm_eps >= 0):
+        raise ValueError(f"small_m_linear: norm_eps must be a non-negative number, got {norm_eps!r}")
     if out.numel() > 0 and x.numel() > 0 and out.data_ptr() == x.data_ptr():
         raise ValueError("small_m_linear: out must not alias x")
     if split_k is not None and (not isinstance(split_k, int) or split_k < 1):
@@ -325,7 +446,7 @@ def small_m_linear(
     if config is not None:
         block_n, block_k, auto_split, num_warps, num_stages = config
     else:
-        block_n, block_k, auto_split, num_warps = choose_config(M, N, K, device)
+        block_n, block_k, auto_split, num_warps = choose_config(M, N, K, device, gated=gated)
         num_stages = None
     split = auto_split if split_k is None else split_k
     k_blocks = max(triton.cdiv(K, block_k), 1)
@@ -336,25 +457,30 @@ def small_m_linear(
 
     block_m = _block_m(M)
     grid_m = triton.cdiv(M, block_m)
-    f32_dot = _use_f32_dot(x.dtype)
     if num_stages is None:
         num_stages = 3 if block_m >= 16 or K >= 4096 else 2
     pdl = pdl_kwargs(x)
+    dummy = out  # stands in for absent optional pointers (never read)
+    common = dict(
+        NORM=norm_eps is not None, HAS_G=norm_weight is not None, NORM_PREPASS=norm_eps is not None and split > 1,
+        GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=_use_f32_dot(x.dtype),
+        num_warps=num_warps, num_stages=num_stages, **pdl,
+    )
+    g = norm_weight if norm_weight is not None else dummy
+    eps = float(norm_eps) if norm_eps is not None else 0.0
+    res_stride = residual.stride(0) if residual is not None else 0
 
     if split == 1:
         _small_m_linear_kernel[(triton.cdiv(N, block_n), 1, grid_m)](
-            x, weight, bias if bias is not None else out, residual if residual is not None else out,
-            out, out,
-            M, N, K, k_per_split,
-            x.stride(0), weight.stride(0),
-            residual.stride(0) if residual is not None else 0, out.stride(0),
-            HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_PARTIAL=False,
-            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=f32_dot,
-            num_warps=num_warps, num_stages=num_stages, **pdl,
+            x, weight, g, bias if bias is not None else dummy, residual if residual is not None else dummy,
+            out, dummy,
+            M, N, K, k_per_split, N, eps,
+            x.stride(0), weight.stride(0), res_stride, out.stride(0),
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_PARTIAL=False, **common,
         )
         return out
 
-    need = workspace_size(M, N, split)
+    need = workspace_size(M, N, split, gated)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=device)
     else:
@@ -365,18 +491,16 @@ def small_m_linear(
                              f"(split_k={split}, M={M}, N={N}), got {workspace.numel()} elements")
 
     _small_m_linear_kernel[(triton.cdiv(N, block_n), split, grid_m)](
-        x, weight, out, out, out, workspace,
-        M, N, K, k_per_split,
+        x, weight, g, dummy, dummy, dummy, workspace,
+        M, N, K, k_per_split, N, eps,
         x.stride(0), weight.stride(0), 0, out.stride(0),
-        HAS_BIAS=False, HAS_RES=False, WRITE_PARTIAL=True,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=f32_dot,
-        num_warps=num_warps, num_stages=num_stages, **pdl,
+        HAS_BIAS=False, HAS_RES=False, WRITE_PARTIAL=True, **common,
     )
     _split_k_reduce_kernel[(triton.cdiv(N, _REDUCE_BLOCK_N), M)](
-        workspace, bias if bias is not None else out, residual if residual is not None else out, out,
-        M, N, split,
-        residual.stride(0) if residual is not None else 0, out.stride(0),
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, BLOCK_N=_REDUCE_BLOCK_N,
+        workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
+        M, N, split, N,
+        res_stride, out.stride(0),
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, GATED=gated, BLOCK_N=_REDUCE_BLOCK_N,
         num_warps=4, **pdl,
     )
     return out
