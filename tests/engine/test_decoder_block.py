@@ -218,6 +218,10 @@ def test_cuda_graph_replay_is_bit_identical():
     # A different cache tensor is refused rather than silently ignored.
     with pytest.raises(EngineInputError, match="updated in place"):
         engine.forward({**other, "k_cache": caches["k_cache"].clone()})
+    assert len(engine.captured_graphs) >= 1
+    engine.release_captures()
+    assert engine.captured_signatures == 0 and engine.captured_graphs == []
+    assert torch.equal(run(engine, other), want)  # uncaptured again, same numbers
 
 
 @pytest.mark.gpu

@@ -34,8 +34,7 @@ def main() -> None:
     meta = _decode_batch(b, CONTEXT, model.llm_config.block_size)
     model.run(meta)
     engine = model.engines[(False, ())]
-    capture = next(iter(engine._captures.values()))
-    graphs = [g for g in capture.graphs if g is not None]
+    graphs = engine.captured_graphs
 
     def replay():
         for g in graphs:

@@ -531,6 +531,17 @@ class Engine:
     def captured_signatures(self) -> int:
         return len(self._captures)
 
+    @property
+    def captured_graphs(self) -> list[torch.cuda.CUDAGraph]:
+        """The CUDA graphs of every captured signature (for profiling their replay alone)."""
+        return [g for capture in self._captures.values() for g in capture.graphs if g is not None]
+
+    def release_captures(self) -> None:
+        """Drop every captured CUDA graph; the next ``forward`` of a signature runs uncaptured
+        until ``capture`` is called again. Needed before the memory or the process group the
+        graphs use goes away (a KV cache reallocated, NCCL communicators destroyed)."""
+        self._captures.clear()
+
     def _check_weight_devices(self, device: torch.device) -> None:
         if self.placement is not None:
             for v, data in self.weights.items():
@@ -590,7 +601,7 @@ class Engine:
                                        f" got {data.dtype}{list(data.shape)}")
             self.weights[v] = data
         self._checked_devices.clear()
-        self._captures.clear()  # the graphs read the old weights' memory
+        self.release_captures()  # the graphs read the old weights' memory
 
     def to(self, device: torch.device | str) -> "Engine":
         """Move the engine's weights to ``device``."""
@@ -600,7 +611,7 @@ class Engine:
         for v in self.weights:
             self.weights[v] = self.weights[v].to(device)
         self._checked_devices.clear()
-        self._captures.clear()
+        self.release_captures()
         return self
 
     # ---- introspection -----------------------------------------------------------------------------

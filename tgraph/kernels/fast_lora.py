@@ -1,7 +1,9 @@
 """Triton-backend wrapper of ``lora_delta``: the multi-LoRA shrink/expand kernels.
 
 Importing this module registers the wrapper into :mod:`tgraph.kernels.fast`'s kernel table (the
-LoRA feature imports it, so a network that records ``lora_delta`` always finds it).
+LoRA feature imports it, so a network that records ``lora_delta`` always finds it). The launches
+themselves are :func:`tgraph.kernels.triton.lora.lora_shrink_expand`'s, the one place that runs
+the pair.
 """
 from __future__ import annotations
 
@@ -28,21 +30,11 @@ def lora_delta_into(outs: fast.Outs, x: torch.Tensor, a_stack: torch.Tensor,
     Returns:
         ``outs[0]``.
     """
-    from tgraph.kernels.triton.lora import lora_expand, lora_segments, lora_shrink
+    from tgraph.kernels.triton.lora import lora_shrink_expand
 
     out = outs[0]
-    x2 = fast._rows(x)
-    slots = token_slots if token_slots.dtype == torch.int32 else token_slots.to(torch.int32)
-    slots = slots.contiguous()
-    a_stack, b_stack = a_stack.contiguous(), b_stack.contiguous()
-    num_slots = a_stack.shape[0]
-    if token_order is not None and seg_start is not None:
-        segments = (token_order, seg_start)
-    else:  # one sort serves both launches of this linear
-        segments = lora_segments(slots, num_slots)
-    # fp32 intermediate: the rank is small, and it keeps the shrink's accumulation unrounded.
-    shrunk = torch.empty(x2.shape[0], a_stack.shape[1], dtype=torch.float32, device=x2.device)
-    lora_shrink(x2, a_stack, slots, shrunk, segments=segments)
-    lora_expand(shrunk, b_stack, slots, out.view(-1, out.shape[-1]), scaling, segments=segments,
-                overwrite=True)
+    segments = (token_order, seg_start) if token_order is not None and seg_start is not None else None
+    # overwrite: the delta replaces the buffer's contents, so the planner's buffer needs no zeroing.
+    lora_shrink_expand(fast._rows(x), a_stack, b_stack, scaling, token_slots,
+                       out.view(-1, out.shape[-1]), segments=segments, overwrite=True)
     return out

@@ -72,7 +72,7 @@ class GraphModel:
         state.captured.clear()
         state._staging.clear()
         for engine in state.engines.values():
-            engine._captures.clear()
+            engine.release_captures()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
 
@@ -157,7 +157,7 @@ class GraphState:
         self.captured.clear()
         self._staging.clear()
         for engine in self.engines.values():
-            engine._captures.clear()
+            engine.release_captures()
         return self.kv_caches
 
     # ---- recording ----------------------------------------------------------------------------

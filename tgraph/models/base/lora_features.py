@@ -39,7 +39,6 @@ from tgraph.layers.lora import (
 )
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.features import FeatureDecorator
-from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
 
 __all__ = ["MultiLoraDecorator", "SingleLoraDecorator"]
@@ -117,7 +116,10 @@ class SingleLoraDecorator(_LoraFeature):
 
     ``model.features["single_lora"].load(name, dir)`` reads a PEFT adapter;
     ``.activate(name)`` makes it the adapter of every following batch (``activate(None)``: the
-    base model). The delta is two plain GEMMs per target linear, ``(x @ A.T) @ (scaling B).T``.
+    base model). The delta ``(x @ A.T) @ (scaling B).T`` runs as the multi-LoRA ``lora_delta``
+    with two slots (slot 0 empty, slot 1 the active adapter, every token in slot 1): the same
+    split-K shrink/expand pair, which fills the GPU where a GEMM with ``E * max_rank`` output
+    columns cannot.
     """
 
     name = "single_lora"
@@ -164,9 +166,11 @@ class SingleLoraDecorator(_LoraFeature):
 
     def _copy_in(self, name: str) -> None:
         if self._resident is None:
-            self._resident = {k: torch.empty_like(v) for k, v in self.adapters[name].items()}
+            # [2, ...] stacks: slot 0 ("no adapter") stays zero; scaling is folded into B.
+            self._resident = {k: v.new_zeros((2, *v.shape)) for k, v in self.adapters[name].items()}
+            self._resident["lora_scaling"] = torch.tensor([0.0, 1.0], device=self._device)
         for k, v in self.adapters[name].items():
-            self._resident[k].copy_(v)
+            self._resident[k][1].copy_(v)
 
     def unload(self, name: str) -> None:
         """Forget adapter ``name`` (deactivating it if active)."""
@@ -177,20 +181,24 @@ class SingleLoraDecorator(_LoraFeature):
             self.active = None
 
     def symbolic_inputs(self, is_prefill: bool) -> dict[str, Tensor]:
-        inputs = {}
+        tokens = "num_tokens" if is_prefill else "batch"
+        inputs = {"lora_scaling": Tensor("lora_scaling", torch.float32, (2,)),
+                  "lora_token_slots": Tensor("lora_token_slots", torch.int32, (tokens,)),
+                  "lora_token_order": Tensor("lora_token_order", torch.int32, (tokens,)),
+                  "lora_seg_start": Tensor("lora_seg_start", torch.int32, (3,))}
         for t in self.targets:
             width = t.width(self.max_rank)
             inputs[f"lora_a_{t.key}"] = Tensor(f"lora_a_{t.key}", self._dtype,
-                                               (width, t.in_features))
+                                               (2, width, t.in_features))
             inputs[f"lora_b_{t.key}"] = Tensor(f"lora_b_{t.key}", self._dtype,
-                                               (t.out_features, width))
+                                               (2, t.out_features, width))
         return inputs
 
     def enter_graph(self, inputs: dict[str, Tensor]) -> None:
         def delta(target: LoraTarget, x: Tensor) -> Tensor:
-            # (tokens, enabled parts * max_rank)
-            shrunk = F.linear(x, inputs[f"lora_a_{target.key}"])
-            return F.linear(shrunk, inputs[f"lora_b_{target.key}"])  # (tokens, out)
+            return lora_delta(x, inputs[f"lora_a_{target.key}"], inputs[f"lora_b_{target.key}"],
+                              inputs["lora_scaling"], inputs["lora_token_slots"],
+                              inputs["lora_token_order"], inputs["lora_seg_start"])
         self._wrap(delta)
 
     def is_used(self, batch: BatchMeta) -> bool:
@@ -207,7 +215,11 @@ class SingleLoraDecorator(_LoraFeature):
             raise ValueError(f"single_lora: adapter {self.active!r} is active for every request, "
                              f"but the batch names {sorted(named)}; deactivate it "
                              "(activate(None)) to serve per-request adapters")
-        return {}
+        tokens = int(sum(batch.query_lens))
+        # Every token in slot 1, already grouped: no sort.
+        return {"lora_token_slots": np.ones(tokens, dtype=np.int32),
+                "lora_token_order": np.arange(tokens, dtype=np.int32),
+                "lora_seg_start": np.array([0, 0, tokens], dtype=np.int32)}
 
 
 class MultiLoraDecorator(_LoraFeature):
