@@ -14,6 +14,7 @@ Tolerances (kernel vs. fp64 reference fed the same rounded inputs):
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -226,17 +227,24 @@ def test_chunked_prefill_with_cached_context(window, block_size):
     assert_close(out, reference_prefill(case, 0.3, window))
 
 
-M16N32 = attention_prefill.PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
+PrefillConfig = attention_prefill.PrefillConfig
+M16N32 = PrefillConfig(block_m=16, block_n=32, num_warps=4, num_stages=1)
 
 
 @pytest.mark.parametrize(
     "config, window",
-    [(None, None), (None, 3), (M16N32, 3)],
-    ids=["default", "default-w3", "m16n32-w3"],
+    [
+        (None, None),
+        (None, 3),
+        (M16N32, 3),
+        (PrefillConfig(32, 16, 4, 1, pack_gqa=True, single_loop=False), 3),
+    ],
+    ids=["default", "default-w3", "m16n32-w3", "packed-m32n16-3loops-w3"],
 )
 def test_prefill_every_chunk_alignment(config, window):
     # Cached context of every length 0..33, so chunk starts hit every residue mod BLOCK_N: the
-    # unmasked/diagonal split of the key loop must be exact for all of them.
+    # unmasked/diagonal split of the key loop must be exact for all of them. Hq / Hk = 2, so the
+    # default (and the packed config) put 2 heads in a tile: BLOCK_P = BLOCK_M / 2 positions.
     ctx = list(range(34))
     q_lens = [1 + c % 3 for c in ctx]
     kv_lens = [c + n for c, n in zip(ctx, q_lens)]
@@ -291,13 +299,83 @@ def test_prefill_tile_shapes(config, window):
 
 
 def test_prefill_config_heuristic():
+    # GPU defaults: the sweep's winner (three loops, unpacked, no page prefetch; see
+    # prefill_config), with smaller tiles for short query runs.
     big = attention_prefill.prefill_config(128, None, is_cuda=True)
     assert (big.block_m, big.block_n, big.num_warps, big.num_stages) == (64, 64, 4, 2)
+    assert not big.pack_gqa and not big.prefetch_pages and not big.single_loop
+    assert not attention_prefill.prefill_config(128, None, is_cuda=True, group=4).pack_gqa
     assert attention_prefill.prefill_config(128, 5, is_cuda=True).block_m == 16
     assert attention_prefill.prefill_config(128, 33, is_cuda=True).block_m == 64
     assert attention_prefill.prefill_config(128, 20, is_cuda=True).block_m == 32
     assert attention_prefill.prefill_config(64, 4096, is_cuda=True).block_m == 128
     assert attention_prefill.prefill_config(256, None, is_cuda=True).block_n == 32
+    # The interpreter runs the packed, prefetching single loop, so the tests cover it; packed
+    # tiles count positions x heads (2 tokens x 4 heads = 8 rows: the 16-row minimum).
+    cpu = attention_prefill.prefill_config(16, None, is_cuda=False, group=2)
+    assert cpu.pack_gqa and cpu.prefetch_pages and cpu.single_loop and cpu.block_m == 16
+    assert attention_prefill.prefill_config(16, 2, is_cuda=False, group=4).block_m == 16
+
+
+@pytest.mark.parametrize(
+    "group, block_m, heads",
+    [(1, 16, 1), (4, 64, 4), (8, 16, 8), (7, 128, 7), (6, 16, 6), (24, 16, 12), (32, 16, 16),
+     (5, 4, 1)],
+)
+def test_heads_per_tile(group, block_m, heads):
+    assert attention_prefill.heads_per_tile(group, block_m) == heads
+
+
+def _launch_prefill(case: PagedCase, config, scale: float, window: int | None) -> torch.Tensor:
+    out = torch.full_like(case.q, float("nan"))
+    attention_prefill.launch_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
+                                     case.kv_lens, case.query_start_loc, scale, window, out,
+                                     config)
+    return out
+
+
+# Ragged batch: plain prefills (37, 16 = one page) and chunks after cached context (1 of 23,
+# 7 of 40, 19 of 50), so query runs start at every kind of offset inside a tile. Ratios >= 16
+# (one position per tile: many programs) get a shorter batch of the same kinds.
+VARIANT_LENS = ([37, 1, 16, 7, 19], [37, 23, 16, 40, 50])
+SHORT_VARIANT_LENS = ([9, 1, 6], [9, 23, 40])
+# (GQA ratio, Hk, window, block size, config, dtype). HEADS = heads_per_tile(GQA, BLOCK_M):
+# 3 and 6 leave idle rows (BLOCK_M = 16 holds 5 x 3 and 2 x 6), 24 splits a group over two
+# tiles of 12 heads (4 idle rows each); group 1 with pack_gqa is the unpacked kernel.
+PACKED_VARIANTS = [
+    (1, 2, None, 16, PrefillConfig(16, 16, 4, 1, pack_gqa=True), torch.float32),
+    (4, 2, None, 16, PrefillConfig(16, 16, 4, 1, pack_gqa=True), torch.float32),
+    (4, 2, 6, 32, PrefillConfig(32, 16, 4, 1, pack_gqa=True), torch.float32),
+    (4, 2, 20, 16, PrefillConfig(16, 32, 4, 1, pack_gqa=True, prefetch_pages=False),
+     torch.float32),
+    (4, 2, 9, 16, PrefillConfig(64, 32, 4, 1, pack_gqa=True, single_loop=False), torch.float32),
+    (4, 2, 6, 16, PrefillConfig(16, 16, 4, 1, pack_gqa=False, prefetch_pages=False,
+                                single_loop=False), torch.float32),
+    (8, 1, None, 32, PrefillConfig(32, 32, 4, 1, pack_gqa=True, single_loop=False),
+     torch.float32),
+    (8, 1, 9, 16, PrefillConfig(16, 16, 4, 1, pack_gqa=True), torch.bfloat16),
+    (3, 2, 9, 16, PrefillConfig(16, 16, 4, 1, pack_gqa=True), torch.float32),
+    (6, 1, None, 32, PrefillConfig(16, 16, 4, 1, pack_gqa=True, single_loop=False),
+     torch.float16),
+    (24, 1, 5, 16, PrefillConfig(16, 16, 4, 1, pack_gqa=True), torch.float32),
+]
+
+
+def _variant_id(v) -> str:
+    gqa, hk, window, bs, c, dtype = v
+    flags = ("pack" if c.pack_gqa else "nopack") + ("" if c.prefetch_pages else "-nopf") + (
+        "" if c.single_loop else "-3loops")
+    return f"gqa{gqa}-w{window}-bs{bs}-m{c.block_m}n{c.block_n}-{flags}-{str(dtype)[6:]}"
+
+
+@pytest.mark.parametrize("gqa, num_kv_heads, window, block_size, config, dtype", PACKED_VARIANTS,
+                         ids=[_variant_id(v) for v in PACKED_VARIANTS])
+def test_prefill_variants_match_reference(gqa, num_kv_heads, window, block_size, config, dtype):
+    """GQA packing, page prefetch and the one-/three-loop walks, on ragged chunked batches."""
+    q_lens, kv_lens = VARIANT_LENS if gqa < 16 else SHORT_VARIANT_LENS
+    case = make_case(q_lens, kv_lens, gqa * num_kv_heads, num_kv_heads, 16, block_size, dtype)
+    out = _launch_prefill(case, config, 0.3, window)
+    assert_close(out, reference_prefill(case, 0.3, window))
 
 
 # ------------------------------------------------------------------------------ decode (CPU)
@@ -318,6 +396,21 @@ def test_decode_matches_reference(dtype, gqa, window, num_splits):
     q = decode_query(case, num_q_heads, head_dim)
     out = run_decode(case, q, window=window, num_splits=num_splits)
     assert_close(out, reference_decode(case, q, 1 / math.sqrt(head_dim), window))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_page_prefetch_matches_reference(window, num_splits):
+    # The decode config the GPU sweep may pick: page ids carried one step ahead.
+    lens = [37, 1, 16, 50]
+    case = make_case(lens, lens, 8, 2, 16, 16, torch.float32)
+    q = decode_query(case, 8, 16)
+    out = torch.full_like(q, float("nan"))
+    config = attention_decode.DecodeConfig(block_n=16, num_warps=4, num_stages=1,
+                                           prefetch_pages=True)
+    attention_decode.launch_decode(q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                                   0.25, window, out, num_splits, None, config)
+    assert_close(out, reference_decode(case, q, 0.25, window))
 
 
 def test_decode_num_splits_agree():
@@ -462,6 +555,68 @@ def test_gpu_decode(dtype, heads, head_dim, block_size, window):
     ref = reference_decode(case, q, 1 / math.sqrt(head_dim), window, torch.float32)
     for splits in (None, 1, 8):
         assert_close(run_decode(case, q, window=window, num_splits=splits), ref)
+    # Page prefetch (the variant the sweep compares with the default), direct and split.
+    for config in GPU_DECODE_CONFIGS:
+        for splits in (1, 8):
+            out = torch.full_like(q, float("nan"))
+            attention_decode.launch_decode(q, case.k_cache, case.v_cache, case.block_table,
+                                           case.kv_lens, 1 / math.sqrt(head_dim), window, out,
+                                           splits, None, config)
+            assert_close(out, ref)
+
+
+GPU_DECODE_CONFIGS = [
+    attention_decode.DecodeConfig(block_n=64, num_warps=4, num_stages=3, prefetch_pages=True),
+    attention_decode.DecodeConfig(block_n=128, num_warps=8, num_stages=4, prefetch_pages=True),
+]
+# Prefill variants at real shapes: the schedule before GQA packing / page prefetch / one loop,
+# and the packed shapes the sweep ranks (BLOCK_M 128 on 8 warps, BLOCK_N 32..128, 2-4 stages).
+GPU_PREFILL_CONFIGS = [
+    PrefillConfig(64, 64, 4, 2, pack_gqa=False, prefetch_pages=False, single_loop=False),
+    PrefillConfig(64, 64, 4, 3, pack_gqa=True),
+    PrefillConfig(128, 64, 8, 3, pack_gqa=True),
+    PrefillConfig(128, 128, 8, 2, pack_gqa=True),
+    PrefillConfig(128, 32, 8, 4, pack_gqa=True, single_loop=False),
+    PrefillConfig(64, 32, 8, 3, pack_gqa=True, prefetch_pages=False),
+    PrefillConfig(128, 64, 8, 3, pack_gqa=False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+# GQA 4 (Llama-3-8B), 7 (Qwen2.5-7B: 28/4, a group that does not divide a tile) and 1.
+@pytest.mark.parametrize("heads", [(32, 8), (28, 4), (32, 32)], ids=lambda h: f"{h[0]}q{h[1]}kv")
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("window", [None, 1024])
+def test_gpu_prefill_variants(dtype, heads, block_size, window):
+    """Every kernel variant (packing, prefetch, loop structure, tile shapes) at d=128, 8k context."""
+    d = 128
+    q_lens, kv_lens = [2048, 1, 333, 512], [2048, 100, 333, 8192]
+    case = make_case(q_lens, kv_lens, heads[0], heads[1], d, block_size, dtype)
+    ref = reference_prefill(case, d ** -0.5, window, torch.float32)
+    for config in GPU_PREFILL_CONFIGS:
+        out = _launch_prefill(case, config, d ** -0.5, window)
+        assert_close(out, ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_sweep_candidates_are_correct():
+    """Whatever tgraph.bench.tune_attention ranks first is safe to make the default."""
+    from tgraph.bench.tune_attention import prefill_candidates
+
+    d = 128
+    case = make_case([1000, 1, 300], [1000, 2000, 300], 32, 8, d, 16, torch.bfloat16)
+    ref = reference_prefill(case, d ** -0.5, None, torch.float32)
+    variants = list(prefill_candidates())
+    # The sweep re-times its best few without page prefetch / with three loops; one pipeline
+    # depth of each tile shape covers those code paths (the depth changes no indexing).
+    for config in variants[:]:
+        if config.num_stages == 3 and config.block_n == 64:
+            variants.append(dataclasses.replace(config, prefetch_pages=False))
+            variants.append(dataclasses.replace(config, single_loop=False))
+    for config in variants:
+        assert_close(_launch_prefill(case, config, d ** -0.5, None), ref)
 
 
 @pytest.mark.gpu

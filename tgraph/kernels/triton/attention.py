@@ -192,7 +192,8 @@ def paged_attention_prefill(
     if max_query_len is not None and (not isinstance(max_query_len, int) or max_query_len < 0):
         raise ValueError(f"{op}: max_query_len must be None or an int >= 0, got {max_query_len!r}")
     scale = _resolve_scale(op, scale, q.shape[2])
-    config = prefill_config(q.shape[2], max_query_len, q.device.type == "cuda")
+    group = q.shape[1] // k_cache.shape[2]
+    config = prefill_config(q.shape[2], max_query_len, q.device.type == "cuda", group)
     launch_prefill(
         q, k_cache, v_cache, block_table, kv_lens, query_start_loc, scale, sliding_window, out,
         config,

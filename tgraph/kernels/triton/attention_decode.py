@@ -12,6 +12,13 @@ unnormalised ``acc``) to an fp32 workspace. Pass 2 (one program per (sequence, q
 rescales and sums the partials. With a single split, pass 1 normalises and writes ``out``
 directly and pass 2 is skipped.
 
+NOTE: merging the splits inside pass 1 (the last split to finish, found with an atomic arrival
+counter, merges them) saves the second launch but measured slower in whole decode steps on an
+H200 (2026-11-22, same process: Llama-3.2-1B batch 1 0.917 vs 0.872 ms per replay, Qwen2.5-0.5B
+0.756 vs 0.655): the merge then runs serially after the slowest split, while the separate
+reduce overlaps its launch with pass 1 (PDL) and spreads over one program per query head. The loop over keys is the online-softmax loop shared with the
+prefill kernel, :func:`tgraph.kernels.triton.attention_prefill.attend_paged_keys`.
+
 Splits divide the keys the sequence actually has (read from ``kv_lens`` on the device), so the
 grid depends only on the batch shape and ``num_splits`` and stays CUDA-graph capturable.
 """
@@ -23,7 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-from tgraph.kernels.triton.attention_prefill import LOG2E, interpreter_needs_upcast
+from tgraph.kernels.triton.attention_prefill import (
+    LOG2E,
+    attend_paged_keys,
+    interpreter_needs_upcast,
+)
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 # A split should stream at least this many keys, otherwise the cost of writing and reducing its
@@ -39,11 +50,22 @@ DEFAULT_NUM_SMS = 132
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Tile sizes and launch options of the decode kernels."""
+    """Tile sizes and launch options of the decode kernels.
+
+    Attributes:
+        block_n: keys per inner-loop step.
+        num_warps, num_stages: Triton launch options of the split kernel.
+        prefetch_pages: carry the next step's page ids (see
+            :func:`tgraph.kernels.triton.attention_prefill.attend_paged_keys`). Off by default:
+            it keeps ``num_stages - 1`` K/V tiles in flight instead of one, which costs shared
+            memory (fewer resident programs) in a kernel that is bandwidth-bound; the sweep in
+            ``tgraph.bench.tune_attention`` measures both.
+    """
 
     block_n: int
     num_warps: int
     num_stages: int
+    prefetch_pages: bool = False
 
 
 def decode_config(head_dim: int, is_cuda: bool) -> DecodeConfig:
@@ -113,8 +135,8 @@ def _decode_split_kernel(
     stride_ob, stride_oh, stride_btb, stride_btn,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DIRECT_OUT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    PDL: tl.constexpr,
+    DIRECT_OUT: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     seq = tl.program_id(0)
@@ -147,34 +169,16 @@ def _decode_split_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
-    for start_n in range(start, end, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_mask = offs_n < end
-        page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=kv_mask, other=0)
-        page = page.to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
-        k_ptrs = k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
-        k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)
-        if UPCAST:  # see interpreter_needs_upcast (inline: a jit call per tile is slow there)
-            qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        qk = qk * qk_scale
-        qk = tl.where(kv_mask[None, :], qk, float("-inf"))
-        # start_n < end, so each tile has a visible key and m_new is finite.
-        m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
-        v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
-        acc = acc * alpha[:, None]
-        if UPCAST:
-            p_mma = p.to(v.dtype).to(tl.float32)  # keep the MMA operand's rounding
-            acc = tl.dot(p_mma, v.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+    # The window and causality are in [start, end) already, so only keys >= end are masked.
+    # Every step is masked: an unmasked body needs either a second loop for the tail (which
+    # drains and refills the K/V pipeline, and splits are a few steps long) or a per-step
+    # branch (~10 more registers: fewer resident programs in this bandwidth-bound kernel).
+    acc, l_i, m_i = attend_paged_keys(
+        acc, l_i, m_i, q, 0, k_base, v_base, bt_row, start, end, start, start, 0, qk_scale,
+        stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, False, False, PREFETCH,
+        DOT_PRECISION, UPCAST,
+    )
 
     if DIRECT_OUT:
         # An empty sequence (kv_len 0, e.g. batch padding) leaves l = 0, acc = 0: write zeros.
@@ -186,7 +190,8 @@ def _decode_split_kernel(
         rows = (seq.to(tl.int64) * num_q_heads + heads) * num_splits + split
         acc_ptrs = ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :]
         tl.store(acc_ptrs, acc, mask=head_mask[:, None])
-        tl.store(ws_ml_ptr + rows * 2, m_i, mask=head_mask)
+        # The reduce pass works in log2 units: store the max scaled like the exponents.
+        tl.store(ws_ml_ptr + rows * 2, m_i * qk_scale, mask=head_mask)
         tl.store(ws_ml_ptr + rows * 2 + 1, l_i, mask=head_mask)
 
 
@@ -271,6 +276,7 @@ def launch_decode(
         BLOCK_N=config.block_n,
         HAS_WINDOW=sliding_window is not None,
         DIRECT_OUT=direct,
+        PREFETCH=config.prefetch_pages,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreter_needs_upcast(q.dtype),
         num_warps=config.num_warps,

@@ -2,21 +2,31 @@
 
 Public entry point with input checks:
 :func:`tgraph.kernels.triton.attention.paged_attention_prefill`.
-This module holds the kernel and a launcher that trusts its (already checked) arguments.
+This module holds the kernel, a launcher that trusts its (already checked) arguments, and
+:func:`attend_paged_keys`, the online-softmax loop over paged keys that the decode kernel shares.
 
-Work split: one program per (query tile of ``BLOCK_M`` rows of one sequence, query head). The
-query tiles of all sequences are numbered on one flat grid axis of ``T // BLOCK_M + B`` programs,
-a bound that depends only on tensor shapes (so the launch is CUDA-graph capturable); each program
-finds its sequence by a binary search over ``query_start_loc`` and exits early when it has no rows.
-Sequence ``b`` owns the programs ``[query_start_loc[b] // BLOCK_M + b, query_start_loc[b+1] //
-BLOCK_M + b + 1)``, which always holds at least ``cdiv(q_len_b, BLOCK_M)`` tiles.
+Work split: one program per (query tile, head tile). A query tile is ``BLOCK_M`` rows. Unpacked
+(``HEADS == 1``), they are ``BLOCK_M`` consecutive positions of one query head. GQA-packed
+(``HEADS == GROUP``, or a divisor of it), they are ``BLOCK_P = BLOCK_M // HEADS`` positions times
+the ``HEADS`` query heads that read one KV head (row ``r`` = position ``r // HEADS``, head
+``r % HEADS``), so every K/V tile gathered through the page table feeds all heads of its group
+in one MMA, and a tile spans fewer positions (a thinner causal diagonal).
 
-Each program walks the keys of its tile in three ranges so that the common case needs no mask:
-keys only some rows may see at the sliding-window edge (masked), keys every row sees (unmasked),
-and keys at the causal diagonal (masked).
+The query tiles of all sequences are numbered on one flat grid axis of ``T // BLOCK_P + B``
+programs, a bound that depends only on tensor shapes (so the launch is CUDA-graph capturable);
+each program finds its sequence by a binary search over ``query_start_loc`` and exits early when
+it has no rows. Sequence ``b`` owns the programs ``[query_start_loc[b] // BLOCK_P + b,
+query_start_loc[b+1] // BLOCK_P + b + 1)``, which always holds at least ``cdiv(q_len_b, BLOCK_P)``
+tiles.
+
+The keys of a tile fall in three ranges: keys only some rows may see at the sliding-window edge
+(masked), keys every row sees (no mask needed) and keys at the causal diagonal (masked). By
+default one loop walks all three and branches on the range per step (``single_loop``); the
+alternative runs one loop per range.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -31,15 +41,36 @@ LOG2E = 1.4426950408889634
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tile sizes and launch options of the prefill kernel."""
+    """Tile sizes and launch options of the prefill kernel.
+
+    Attributes:
+        block_m: query rows per program (positions x packed heads).
+        block_n: keys per inner-loop step.
+        num_warps, num_stages: Triton launch options (``num_stages`` is the depth of the K/V
+            software pipeline).
+        pack_gqa: put the query heads of one KV head in the same tile (see the module doc); a
+            no-op when ``Hq == Hk``.
+        prefetch_pages: read the page ids of the next key tile one step ahead (see
+            :func:`attend_paged_keys`), so Triton's pipeliner can issue K/V loads
+            ``num_stages - 1`` steps ahead instead of one.
+        single_loop: walk all keys of a tile in one loop that masks only the steps at the
+            causal diagonal and the window edge (a uniform branch). False: three loops (window
+            edge, unmasked middle, diagonal), the middle one free of mask code, but each loop
+            fills and drains its own K/V pipeline, an exposed memory latency per program.
+    """
 
     block_m: int
     block_n: int
     num_warps: int
     num_stages: int
+    pack_gqa: bool = False
+    prefetch_pages: bool = True
+    single_loop: bool = True
 
 
-def prefill_config(head_dim: int, max_query_len: int | None, is_cuda: bool) -> PrefillConfig:
+def prefill_config(
+    head_dim: int, max_query_len: int | None, is_cuda: bool, group: int = 1
+) -> PrefillConfig:
     """Pick tile sizes by heuristic (no autotuning, so no first-call sweep and no recompiles).
 
     Args:
@@ -48,26 +79,53 @@ def prefill_config(head_dim: int, max_query_len: int | None, is_cuda: bool) -> P
             prefill, speculative verification) get a smaller ``BLOCK_M`` to waste fewer rows.
         is_cuda: False under the Triton interpreter, where small tiles keep the tests exercising
             multi-tile paths at small shapes.
+        group: query heads per KV head (``Hq // Hk``); above 1 the tile packs them (GQA packing).
 
     Returns:
         The launch configuration.
     """
     if not is_cuda:
-        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    if head_dim <= 64:
-        cfg = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    elif head_dim <= 128:
-        # Best of a sweep on an H200 (tgraph.bench.tune_attention, 4 x 2048 tokens, 32/8 heads):
-        # 64 x 64 tiles on 4 warps with a 2-stage K/V pipeline.
-        cfg = PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2)
+        # The interpreter (tests) runs the packed, prefetching single loop at small tiles.
+        pack = group > 1
+        cfg = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, pack_gqa=pack)
     else:
-        # D=256: halve the tiles to stay within registers and shared memory.
-        cfg = PrefillConfig(block_m=64, block_n=32, num_warps=8, num_stages=2)
-    if max_query_len is not None and max_query_len < cfg.block_m:
-        # Only powers of two in [16, block_m]: a bounded set of compiled variants.
-        block_m = max(16, triton.next_power_of_2(max(1, max_query_len)))
-        cfg = PrefillConfig(block_m, cfg.block_n, min(cfg.num_warps, 4), cfg.num_stages)
+        # NOTE: the H200 sweep of 2026-11-22 (docs/bench/h200-tune-prefill.json: 44 candidates,
+        # packed and unpacked, page prefetch on and off, one loop or three) found no variant
+        # faster than the three-loop, unpacked, no-prefetch schedule (305 TFLOP/s at 64 x 64 on
+        # 4 warps, 2 stages; the best new one, packed 128 x 128 on 8 warps, 304): that stays
+        # the default. The other head dims keep their earlier (unswept) tiles.
+        pack = False
+        if head_dim <= 64:
+            tiles = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        elif head_dim <= 128:
+            tiles = dict(block_m=64, block_n=64, num_warps=4, num_stages=2)
+        else:
+            # D=256: halve the tiles to stay within registers and shared memory.
+            tiles = dict(block_m=64, block_n=32, num_warps=8, num_stages=2)
+        cfg = PrefillConfig(**tiles, pack_gqa=False, prefetch_pages=False, single_loop=False)
+    if max_query_len is not None:
+        rows = max(1, max_query_len) * (heads_per_tile(group, cfg.block_m) if pack else 1)
+        if rows < cfg.block_m:
+            # Only powers of two in [16, block_m]: a bounded set of compiled variants.
+            block_m = max(16, triton.next_power_of_2(rows))
+            cfg = dataclasses.replace(cfg, block_m=block_m, num_warps=min(cfg.num_warps, 4))
     return cfg
+
+
+def heads_per_tile(group: int, block_m: int) -> int:
+    """Query heads packed in one tile: the largest divisor of ``group`` that fits in ``block_m``.
+
+    A divisor, so that all heads of a tile read the same KV head; any GQA ratio works (7 heads
+    per KV head pack 18 positions in 128 rows, leaving 2 rows idle).
+
+    Args:
+        group: query heads per KV head.
+        block_m: rows of a tile.
+
+    Returns:
+        HEADS in [1, min(group, block_m)].
+    """
+    return max(d for d in range(1, min(group, block_m) + 1) if group % d == 0)
 
 
 def interpreter_needs_upcast(dtype: torch.dtype) -> bool:
@@ -81,27 +139,75 @@ def interpreter_needs_upcast(dtype: torch.dtype) -> bool:
 
 
 @triton.jit
-def _key_range(
-    acc, l_i, m_i, q, k_base, v_base, bt_row, lo, hi, pos, window, qk_scale,
+def attend_paged_keys(
+    acc, l_i, m_i, q, pos, k_base, v_base, bt_row, lo, hi, full_lo, full_hi, window, qk_scale,
     stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, FULL_RANGE: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
 ):
-    """Online-softmax update of one query tile with keys [lo, hi) read through the page table."""
+    """Online-softmax update of query rows with the keys ``[lo, hi)`` read through a page table.
+
+    Shared by the prefill and decode kernels (a jit helper is inlined, so this costs nothing).
+    ``m_i`` is the running maximum of the *raw* scores; the scale (times log2 e) is applied
+    inside the exponent, ``exp2(s * c - m * c)``: one FMA per score, and the max commutes with
+    the positive scale. ``acc`` is unnormalised, ``l_i`` the running sum of probabilities.
+
+    Args:
+        acc, l_i, m_i: fp32 state, ``[R, D]``, ``[R]``, ``[R]``.
+        q: ``[R, D]`` query rows.
+        pos: ``[R]`` absolute position of each row (read only when CAUSAL or HAS_WINDOW).
+        k_base, v_base: cache pointers already offset to the KV head.
+        bt_row: pointer to the sequence's block-table row.
+        lo, hi: key range.
+        full_lo, full_hi: read only with FULL_RANGE: the steps starting in
+            ``[full_lo, full_hi)`` hold only keys below ``hi`` that every row sees.
+        window: sliding window W (read only when HAS_WINDOW).
+        qk_scale: softmax scale times log2(e).
+        MASKED: False: the caller guarantees that every key of ``[lo, hi)`` is visible to every
+            row and that ``hi - lo`` is a multiple of BLOCK_N, and no mask code is emitted.
+            True: mask keys ``>= hi`` and, with CAUSAL / HAS_WINDOW, keys after a row's
+            position / outside its window; a row may see no key of a masked step.
+        FULL_RANGE: with MASKED, steps starting in ``[full_lo, full_hi)`` skip the score mask
+            (a branch uniform over the program, so no divergence; it costs ~10 registers, which
+            is why the decode kernel, bandwidth-bound and occupancy-sensitive, masks every step).
+        PREFETCH: load the page ids of step i + 1 during step i and carry them. The K/V
+            addresses then depend on a loop-carried value instead of a load in the same step,
+            which lets Triton's pipeliner issue K/V copies ``num_stages - 1`` steps ahead; with
+            the in-step load the page-id load itself takes one pipeline stage and K/V are
+            issued only one step ahead, right after the P@V MMA (checked in the TTGIR of
+            Triton 3.6 and 3.9 for sm_90a).
+        DOT_PRECISION: ``tl.dot`` input precision; UPCAST: see :func:`interpreter_needs_upcast`.
+
+    Returns:
+        The updated ``(acc, l_i, m_i)``.
+    """
     offs_d = tl.arange(0, HEAD_DIM)
+    if PREFETCH:
+        first = lo + tl.arange(0, BLOCK_N)
+        page = tl.load(bt_row + (first // BLOCK_SIZE) * stride_btn, mask=first < hi, other=0)
+        # int64: page * stride can pass 2**31 elements in a large cache.
+        page = page.to(tl.int64)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
             kv_mask = offs_n < hi
-            page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=kv_mask, other=0)
-        else:
-            page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn)
-        # int64: page * stride can pass 2**31 elements in a large cache.
-        page = page.to(tl.int64)
+        if not PREFETCH:
+            if MASKED:
+                page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=kv_mask, other=0)
+            else:
+                page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn)
+            page = page.to(tl.int64)
         slot = offs_n % BLOCK_SIZE
-        k_ptrs = k_base + (page * stride_kb + slot * stride_ks)[:, None] + offs_d[None, :]
-        v_ptrs = v_base + (page * stride_vb + slot * stride_vs)[:, None] + offs_d[None, :]
+        k_rows = page * stride_kb + slot * stride_ks
+        v_rows = page * stride_vb + slot * stride_vs
+        if PREFETCH:
+            # Past the end the ids are masked to page 0: a valid address, and never read.
+            nxt = offs_n + BLOCK_N
+            page = tl.load(bt_row + (nxt // BLOCK_SIZE) * stride_btn, mask=nxt < hi, other=0)
+            page = page.to(tl.int64)
+        k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
         if MASKED:
             k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)
         else:
@@ -110,13 +216,18 @@ def _key_range(
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        # m_i tracks the raw score maximum (the scale is positive, so the max commutes with it);
-        # the scale is applied inside the exponent, qk * scale - m * scale: one FMA per score.
         if MASKED:
-            visible = (offs_n[None, :] <= pos[:, None]) & kv_mask[None, :]
-            if HAS_WINDOW:
-                visible = visible & (pos[:, None] - offs_n[None, :] < window)
-            qk = tl.where(visible, qk, float("-inf"))
+            if FULL_RANGE:
+                edge = (start_n < full_lo) | (start_n >= full_hi)
+            else:
+                edge = True  # a compile-time constant: no branch is emitted
+            if edge:
+                visible = kv_mask[None, :]
+                if CAUSAL:
+                    visible = visible & (offs_n[None, :] <= pos[:, None])
+                if HAS_WINDOW:
+                    visible = visible & (pos[:, None] - offs_n[None, :] < window)
+                qk = tl.where(visible, qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         if MASKED:
             # A row may see no key of a masked tile yet: subtract 0, not -inf, to avoid NaN.
@@ -126,6 +237,7 @@ def _key_range(
         p = tl.math.exp2(qk * qk_scale - (m_sub * qk_scale)[:, None])
         alpha = tl.math.exp2((m_i - m_sub) * qk_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
+        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
         if MASKED:
             v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
         else:
@@ -146,44 +258,53 @@ def _prefill_kernel(
     num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_btb, stride_btn,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PREFETCH: tl.constexpr, SINGLE_LOOP: tl.constexpr,
     DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
 ):
     # Reversed so the last tiles of each sequence (the most keys, causally) start first and the
     # cheap ones fill the tail of the launch.
     pid = tl.num_programs(0) - 1 - tl.program_id(0)
-    head = tl.program_id(1)
+    head_tile = tl.program_id(1)  # query heads [head_tile * HEADS, (head_tile + 1) * HEADS)
 
-    # Largest seq b whose first tile index qsl[b] // BLOCK_M + b is <= pid (indices increase
+    # Largest seq b whose first tile index qsl[b] // BLOCK_P + b is <= pid (indices increase
     # strictly with b, so the answer is unique even for empty sequences).
     lo = num_seqs * 0
     hi = num_seqs - 1
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if tl.load(qsl_ptr + mid) // BLOCK_M + mid <= pid:
+        if tl.load(qsl_ptr + mid) // BLOCK_P + mid <= pid:
             lo = mid
         else:
             hi = mid - 1
     seq = lo
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    tile = pid - (q_start // BLOCK_M + seq)
-    if tile * BLOCK_M >= q_len:
+    tile = pid - (q_start // BLOCK_P + seq)
+    if tile * BLOCK_P >= q_len:
         return
 
     kv_len = tl.load(kv_lens_ptr + seq)
     ctx_len = kv_len - q_len  # keys cached before this chunk of queries
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    # Row r holds position tile * BLOCK_P + r // HEADS of query head head_tile * HEADS + r % HEADS
+    # (both fold to the plain layout when HEADS == 1).
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_m = tile * BLOCK_P + offs_r // HEADS
+    heads = head_tile * HEADS + offs_r % HEADS
+    if BLOCK_P * HEADS == BLOCK_M:
+        row_mask = offs_m < q_len
+    else:
+        # HEADS does not divide BLOCK_M (e.g. 7 heads per KV head): the last rows idle.
+        row_mask = (offs_m < q_len) & (offs_r < BLOCK_P * HEADS)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_mask = offs_m < q_len
-    pos = ctx_len + offs_m  # absolute positions of the tile's queries
+    pos = ctx_len + offs_m  # absolute positions of the rows' queries
 
     q_rows = (q_start + offs_m).to(tl.int64)
-    q_ptrs = q_ptr + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :]
+    q_ptrs = q_ptr + (q_rows * stride_qt + heads * stride_qh)[:, None] + offs_d[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None], other=0.0)
 
-    kv_head = head // GROUP
+    kv_head = (head_tile * HEADS) // GROUP
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
@@ -192,8 +313,8 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    pos_first = ctx_len + tile * BLOCK_M
-    pos_last = tl.minimum(pos_first + BLOCK_M - 1, kv_len - 1)  # last valid row
+    pos_first = ctx_len + tile * BLOCK_P
+    pos_last = tl.minimum(pos_first + BLOCK_P - 1, kv_len - 1)  # last valid position
     key_hi = pos_last + 1
     # Keys in [0, full_hi) are causally visible to every row of the tile.
     full_hi = ((pos_first + 1) // BLOCK_N) * BLOCK_N
@@ -207,28 +328,41 @@ def _prefill_kernel(
         mid_lo = 0
     mid_hi = tl.maximum(mid_lo, full_hi)
 
-    if HAS_WINDOW:
-        acc, l_i, m_i = _key_range(
-            acc, l_i, m_i, q, k_base, v_base, bt_row, key_lo, mid_lo, pos, window,
-            qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION, UPCAST,
+    if SINGLE_LOOP:
+        # One software pipeline over all keys; only the steps outside [mid_lo, mid_hi) mask.
+        acc, l_i, m_i = attend_paged_keys(
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, key_lo, key_hi, mid_lo, mid_hi,
+            window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, True, HAS_WINDOW, PREFETCH,
+            DOT_PRECISION, UPCAST,
         )
-    acc, l_i, m_i = _key_range(
-        acc, l_i, m_i, q, k_base, v_base, bt_row, mid_lo, mid_hi, pos, window,
-        qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, HAS_WINDOW, DOT_PRECISION, UPCAST,
-    )
-    acc, l_i, m_i = _key_range(
-        acc, l_i, m_i, q, k_base, v_base, bt_row, mid_hi, key_hi, pos, window,
-        qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
-        HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, HAS_WINDOW, DOT_PRECISION, UPCAST,
-    )
+    else:
+        # Three loops, the middle one free of mask code; each drains its pipeline at its end.
+        if HAS_WINDOW:
+            acc, l_i, m_i = attend_paged_keys(
+                acc, l_i, m_i, q, pos, k_base, v_base, bt_row, key_lo, mid_lo, key_lo, key_lo,
+                window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, True, HAS_WINDOW, PREFETCH,
+                DOT_PRECISION, UPCAST,
+            )
+        acc, l_i, m_i = attend_paged_keys(
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, mid_lo, mid_hi, mid_lo, mid_hi,
+            window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, True, HAS_WINDOW, PREFETCH,
+            DOT_PRECISION, UPCAST,
+        )
+        acc, l_i, m_i = attend_paged_keys(
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, mid_hi, key_hi, mid_hi, mid_hi,
+            window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, True, HAS_WINDOW, PREFETCH,
+            DOT_PRECISION, UPCAST,
+        )
 
     # Every valid row sees at least its own key, so l_i > 0 there; the guard keeps rows of a
     # (malformed) kv_len 0 sequence at zero instead of NaN.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
-    o_ptrs = o_ptr + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    o_ptrs = o_ptr + (q_rows * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :]
     tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=row_mask[:, None])
 
 
@@ -256,8 +390,11 @@ def launch_prefill(
     if num_tokens == 0 or num_seqs == 0:
         return
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    # Shape-only grid: sum over seqs of cdiv(q_len, BLOCK_M) <= T // BLOCK_M + B.
-    grid = (num_tokens // config.block_m + num_seqs, num_q_heads)
+    group = num_q_heads // num_kv_heads
+    heads = heads_per_tile(group, config.block_m) if config.pack_gqa else 1
+    block_p = config.block_m // heads
+    # Shape-only grid: sum over seqs of cdiv(q_len, BLOCK_P) <= T // BLOCK_P + B.
+    grid = (num_tokens // block_p + num_seqs, num_q_heads // heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_table, kv_lens, query_start_loc,
         num_seqs, scale * LOG2E, sliding_window if sliding_window is not None else 0,
@@ -265,12 +402,16 @@ def launch_prefill(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), block_table.stride(0), block_table.stride(1),
-        GROUP=num_q_heads // num_kv_heads,
+        GROUP=group,
+        HEADS=heads,
+        BLOCK_P=block_p,
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         BLOCK_M=config.block_m,
         BLOCK_N=config.block_n,
         HAS_WINDOW=sliding_window is not None,
+        PREFETCH=config.prefetch_pages,
+        SINGLE_LOOP=config.single_loop,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreter_needs_upcast(q.dtype),
         num_warps=config.num_warps,
@@ -281,6 +422,8 @@ def launch_prefill(
 __all__ = [
     "LOG2E",
     "PrefillConfig",
+    "attend_paged_keys",
+    "heads_per_tile",
     "interpreter_needs_upcast",
     "launch_prefill",
     "prefill_config",
