@@ -232,7 +232,7 @@ def test_cuda_graph_inputs_held_by_reference():
     net = _record(torch.bfloat16)
     held = {k: v.cuda() for k, v in _inputs(torch.bfloat16).items()}
     engine = net.build_engine()
-    engine.capture(held, by_reference=list(held))
+    handle = engine.capture(held, by_reference=list(held))
     fresh = {k: v.cuda() for k, v in _inputs(torch.bfloat16, seed=5).items()}
     for k, v in fresh.items():
         if k not in ("k_cache", "v_cache"):
@@ -244,11 +244,21 @@ def test_cuda_graph_inputs_held_by_reference():
     for k in ("k_cache", "v_cache"):
         ref_in[k].zero_()
     assert torch.equal(got, net.build_engine().forward(ref_in)["out"])
+    # replay(handle): the same graph with no checks at all.
+    for k in ("k_cache", "v_cache"):
+        held[k].zero_()
+    assert torch.equal(engine.replay(handle)["out"], got)
     # Another tensor for a held input is refused rather than copied into the caller's tensor.
     with pytest.raises(EngineInputError, match="by_reference"):
         engine.forward({**held, "hidden": held["hidden"].clone()})
     with pytest.raises(CaptureError, match="not inputs"):
         engine.capture(held, by_reference=["nope"])
+    partial = net.build_engine()
+    with pytest.raises(CaptureError, match="every input held"):
+        partial.replay(partial.capture(held, by_reference=["hidden"]))
+    engine.release_captures()
+    with pytest.raises(CaptureError, match="released"):
+        engine.replay(handle)
 
 
 @pytest.mark.gpu

@@ -92,6 +92,14 @@ class _Capture:
         return True
 
 
+@dataclass(frozen=True, eq=False)
+class CaptureHandle:
+    """One captured signature of an engine, for :meth:`Engine.replay`."""
+
+    key: tuple
+    capture: _Capture
+
+
 BACKENDS = ("auto", "reference", "triton")
 
 
@@ -429,7 +437,7 @@ class Engine:
 
     def capture(self, inputs: Mapping[str, torch.Tensor],
                 runtime_params: Mapping[str, Any] | None = None, *,
-                by_reference: Iterable[str] = ()) -> None:
+                by_reference: Iterable[str] = ()) -> "CaptureHandle":
         """Capture CUDA graphs for the signature (shapes) of ``inputs``.
 
         Each capturable segment becomes one graph (host segments run eagerly between replays).
@@ -446,6 +454,8 @@ class Engine:
                 ``forward`` given the very same tensor objects replays without any checks or
                 copies: the cheapest way to run a decode step.
 
+        Returns:
+            a handle for :meth:`replay` (``forward`` finds the capture by itself).
         Raises:
             CaptureError: if the inputs are not on CUDA or a kernel cannot be captured; the
                 original error is chained.
@@ -500,7 +510,30 @@ class Engine:
                                    f"(ops: {ops}) failed: {err}") from err
             graphs.append(graph)
         all_held = not runtime_params and held >= set(tensors)
-        self._captures[key] = _Capture(static, binding, slots, graphs, plan, held, all_held)
+        capture = self._captures[key] = _Capture(static, binding, slots, graphs, plan, held, all_held)
+        return CaptureHandle(key, capture)
+
+    def replay(self, handle: "CaptureHandle") -> dict[str, torch.Tensor]:
+        """Replay a signature whose inputs are all held by reference, with no checks at all.
+
+        For an owner that keeps the captured tensors and writes each step's values into them
+        (a decode loop): it skips even the identity check of :meth:`forward`'s fast path.
+
+        Args:
+            handle: what :meth:`capture` returned (with every input in ``by_reference``).
+        Returns:
+            the outputs by name (copies: the graph reuses its buffers on the next replay).
+        Raises:
+            CaptureError: if the capture was released since, or holds some input by copy.
+        """
+        capture = self._captures.get(handle.key)
+        if capture is not handle.capture:
+            raise CaptureError(f"engine {self.net.name!r}: this capture was released "
+                               "(release_captures, set_weights or to); capture again")
+        if not capture.all_held:
+            raise CaptureError("replay() needs every input held by reference; use forward()")
+        self._replay(capture)
+        return self._collect(capture.plan, capture.slots, None)
 
     def _capture_arena(self, binding: _Binding, device: torch.device
                        ) -> torch.Tensor | dict[str, torch.Tensor]:
