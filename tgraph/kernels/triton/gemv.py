@@ -101,6 +101,34 @@ def _mac(acc, w, xv, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr):
 
 
 @triton.jit
+def _load_w_tile(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """The weight tile at ``k0`` (and the "up" rows' tile when ``GATED``; else the same tile)."""
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < k_end
+    mask_w = mask_n[:, None] & mask_k[None, :]
+    w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
+    if GATED:
+        w_u = tl.load(u_rows + offs_k[None, :], mask=mask_w, other=0.0)
+    else:
+        w_u = w
+    return w, w_u, offs_k, mask_k
+
+
+@triton.jit
+def _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
+            BLOCK_M: tl.constexpr, NORM: tl.constexpr, HAS_G: tl.constexpr,
+            NORM_PREPASS: tl.constexpr, GATED: tl.constexpr, F32_DOT: tl.constexpr):
+    """One K tile of the main loop: the activations' tile, its sums of squares, the products."""
+    xv, part = _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G)
+    if not NORM_PREPASS:
+        sq += part
+    acc = _mac(acc, w, xv, BLOCK_M, F32_DOT)
+    if GATED:
+        acc_u = _mac(acc_u, w_u, xv, BLOCK_M, F32_DOT)
+    return acc, acc_u, sq
+
+
+@triton.jit
 def _small_m_linear_kernel(
     x_ptr, w_ptr, g_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr,
     M, N, K, k_per_split, gate_rows, eps,
@@ -142,12 +170,7 @@ def _small_m_linear_kernel(
 
     # First K tile: its weights do not depend on any earlier kernel, so they are loaded before
     # the PDL wait and stream while the previous kernel drains (see tgraph.kernels.triton.pdl).
-    offs_k = k_start + tl.arange(0, BLOCK_K)
-    mask_k = offs_k < k_end
-    mask_w = mask_n[:, None] & mask_k[None, :]
-    w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
-    if GATED:
-        w_u = tl.load(u_rows + offs_k[None, :], mask=mask_w, other=0.0)
+    w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, k_start, k_end, mask_n, BLOCK_K, GATED)
     pdl_wait(PDL)
     if NORM_PREPASS:
         # K is split: every split needs the whole rows' sums of squares.
@@ -156,25 +179,12 @@ def _small_m_linear_kernel(
             xp = tl.load(x_rows + offs_p[None, :], mask=mask_m[:, None] & (offs_p < K)[None, :], other=0.0)
             xp = xp.to(tl.float32)
             sq += tl.sum(xp * xp, axis=1)
-    xv, part = _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G)
-    if not NORM_PREPASS:
-        sq += part
-    acc = _mac(acc, w, xv, BLOCK_M, F32_DOT)
-    if GATED:
-        acc_u = _mac(acc_u, w_u, xv, BLOCK_M, F32_DOT)
+    acc, acc_u, sq = _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
+                             BLOCK_M, NORM, HAS_G, NORM_PREPASS, GATED, F32_DOT)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        mask_w = mask_n[:, None] & mask_k[None, :]
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
-        if GATED:
-            w_u = tl.load(u_rows + offs_k[None, :], mask=mask_w, other=0.0)
-        xv, part = _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G)
-        if not NORM_PREPASS:
-            sq += part
-        acc = _mac(acc, w, xv, BLOCK_M, F32_DOT)
-        if GATED:
-            acc_u = _mac(acc_u, w_u, xv, BLOCK_M, F32_DOT)
+        w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K, GATED)
+        acc, acc_u, sq = _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
+                                 BLOCK_M, NORM, HAS_G, NORM_PREPASS, GATED, F32_DOT)
 
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
