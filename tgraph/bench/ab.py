@@ -11,11 +11,8 @@ import argparse
 
 import torch
 
-from tgraph.bench.models import CONTEXT, _decode_batch, random_weights
+from tgraph.bench.models import CONTEXT, captured_decode, random_model, random_weights
 from tgraph.bench.timing import time_ms
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
-from tgraph.models.loading import build_model
 from tgraph.models.presets import preset
 
 
@@ -33,13 +30,9 @@ def main() -> None:
     b = args.batch
     variants = {}
     for label, disabled in (("all passes", ()), ("without " + ",".join(args.disable), tuple(args.disable))):
-        model = build_model(ModelConfig.from_dict(hf),
-                            DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16),
-                            max_model_len=4096, disabled_passes=disabled)
-        model.allocate_kv_cache(b * (CONTEXT // 16 + 2) + 1)
-        model.capture_decode_graphs([b])
+        model = random_model(hf, weights, max_model_len=4096, disabled_passes=disabled)
+        meta = captured_decode(model, b)
         variants[label] = model
-    meta = _decode_batch(b, CONTEXT, 16)
     print(f"{args.preset} batch {b}, context {CONTEXT}: ms per decode step (rounds alternate)")
     for _ in range(args.rounds):
         for label, model in variants.items():

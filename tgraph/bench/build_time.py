@@ -10,17 +10,12 @@ import torch
 
 
 def main(name: str) -> None:
-    from tgraph.bench.models import _decode_batch, random_weights
-    from tgraph.models.base.config import ModelConfig
-    from tgraph.models.base.weight_loader import DictWeightLoader
-    from tgraph.models.loading import build_model
+    from tgraph.bench.models import _decode_batch, random_model, random_weights
     from tgraph.models.presets import preset
 
     hf_config = preset(name)
-    weights = random_weights(hf_config, torch.bfloat16, "cuda")
-    model = build_model(ModelConfig.from_dict(hf_config),
-                        DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16),
-                        max_model_len=1024)
+    model = random_model(hf_config, random_weights(hf_config, torch.bfloat16, "cuda"),
+                         max_model_len=1024)
     model.allocate_kv_cache(64)
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -66,6 +66,20 @@ def random_weights(hf_config: dict, dtype: torch.dtype, device: str) -> dict[str
     return weights
 
 
+def random_model(hf_config: dict, weights: dict[str, torch.Tensor], **llm_options):
+    """A tgraph model of ``hf_config`` on the GPU from ``weights`` (see :func:`random_weights`)."""
+    return build_model(ModelConfig.from_dict(hf_config),
+                       DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16), **llm_options)
+
+
+def captured_decode(model, batch: int) -> BatchMeta:
+    """Allocate the KV cache for ``batch`` sequences at ``CONTEXT``, capture that decode bucket,
+    and return the decode batch to run."""
+    model.allocate_kv_cache(batch * (CONTEXT // model.llm_config.block_size + 2) + 1)
+    model.capture_decode_graphs([batch])
+    return _decode_batch(batch, CONTEXT, model.llm_config.block_size)
+
+
 def _decode_batch(b: int, ctx: int, block_size: int) -> BatchMeta:
     per = -(-(ctx + 1) // block_size)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
@@ -180,21 +194,19 @@ def measure_build(preset_name: str) -> dict:
 
 def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings) -> PresetResult:
     hf_config = preset(name)
-    config = ModelConfig.from_dict(hf_config)
     weights = random_weights(hf_config, torch.bfloat16, "cuda")
     nbytes = sum(w.numel() * w.element_size() for w in weights.values())
     result = PresetResult(name, nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3)
     systems = (("tgraph static", "static", True), ("tgraph no graphs", "static", False),
                ("tgraph eager", "eager", False))
     for label, graph, cuda_graph in systems:
-        loader = DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16)
-        model = build_model(config, loader, max_model_len=4096, graph=graph,
-                            cuda_graph=cuda_graph)
+        model = random_model(hf_config, weights, max_model_len=4096, graph=graph,
+                             cuda_graph=cuda_graph)
         try:
             bench_tgraph(model, batches if graph == "static" else batches[:1], result, label)
         except Exception as err:
             result.skipped[label] = f"{type(err).__name__}: {err}"
-        del model, loader
+        del model
         gc.collect()
         torch.cuda.empty_cache()
     for peer, compile_ in (("hf", False), ("compile", True)):

@@ -9,11 +9,8 @@ import argparse
 
 import torch
 
-from tgraph.bench.models import CONTEXT, _decode_batch, random_weights
+from tgraph.bench.models import captured_decode, random_model, random_weights
 from tgraph.bench.timing import host_ms, time_ms
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
-from tgraph.models.loading import build_model
 from tgraph.models.presets import preset
 
 
@@ -24,14 +21,10 @@ def main() -> None:
     parser.add_argument("--trace", help="write a Chrome trace")
     args = parser.parse_args()
     hf_config = preset(args.preset)
-    weights = random_weights(hf_config, torch.bfloat16, "cuda")
-    model = build_model(ModelConfig.from_dict(hf_config),
-                        DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16),
-                        max_model_len=4096)
+    model = random_model(hf_config, random_weights(hf_config, torch.bfloat16, "cuda"),
+                         max_model_len=4096)
     b = args.batch
-    model.allocate_kv_cache(b * (CONTEXT // 16 + 2) + 1)
-    model.capture_decode_graphs([b])
-    meta = _decode_batch(b, CONTEXT, model.llm_config.block_size)
+    meta = captured_decode(model, b)
     model.run(meta)
     engine = model.engines[(False, ())]
     graphs = engine.captured_graphs

@@ -186,7 +186,7 @@ def _norm_linear(outs: Outs, x, norm_weight, w, bias=None, *, eps, act=None):
     if fused_ok and (w.is_cuda or _force_triton(x2)):
         from tgraph.kernels.triton.gemv import prefer_small_m, small_m_linear
 
-        if prefer_small_m(m, w.shape[0], k):
+        if prefer_small_m(m, out2.shape[-1], k):
             small_m_linear(x2, w, out2, bias=bias, norm_eps=eps, norm_weight=norm_weight,
                            gated=act == "swiglu")
             return outs[0]

@@ -114,13 +114,12 @@ class NormLinear(Pass):
         normed = node.outputs[0]
         if not self._norm_ok(net, x, weight, normed):
             return 0
-        linears = list(net.users(normed))
-        for lin in linears:
-            with recording(net), net.inserting_before(lin):
-                out = F.record("norm_linear", [x, weight, lin.inputs[1], lin.inputs[2]],
-                               eps=node.attrs["eps"], act=None)
-            net.replace_all_uses(lin.outputs[0], out)
-        net.remove_nodes(linears + [node])
+        (lin,) = net.users(normed)  # _norm_ok: exactly one reader, a linear
+        with recording(net), net.inserting_before(lin):
+            out = F.record("norm_linear", [x, weight, lin.inputs[1], lin.inputs[2]],
+                           eps=node.attrs["eps"], act=None)
+        net.replace_all_uses(lin.outputs[0], out)
+        net.remove_nodes([lin, node])
         return 1
 
     def _fuse_gate(self, net: Network, node: Node) -> int:
