@@ -278,3 +278,36 @@ def test_cuda_graph_with_a_host_segment_between_captured_ones():
     for scale in (3.0, 0.5):
         got = engine.forward({"x": x}, runtime_params={"n": scale})["out"]
         torch.testing.assert_close(got, torch.sin(torch.exp(x) * 2.0 * scale) + 1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("host_first", [False, True])
+def test_cuda_graph_prologue_uploads_staged_inputs(host_first):
+    """A capture prologue (here: pinned host -> held device input) is replayed ahead of the
+    kernels, so a step that only rewrites the pinned array sees the new values. With a host
+    segment first, the prologue gets a graph of its own and still runs before it."""
+    with recording("prologue") as net:
+        x = Tensor("x", torch.float32, ("t", 64))
+        if host_first:
+            n = Tensor("n", torch.float32, (), host=True)
+            x = x * n
+        net.mark_output(F.sin(F.exp(x) * 2.0) + 1.0, "out")
+    engine = net.build_engine()
+    assert engine.segments[0].capturable is (not host_first)
+    host = torch.randn(8, 64).pin_memory()
+    device_x = torch.empty(8, 64, device="cuda")
+
+    def upload():
+        device_x.copy_(host, non_blocking=True)
+
+    params = {"n": 1.0} if host_first else None
+    handle = engine.capture({"x": device_x}, params, by_reference=["x"], prologue=upload)
+    for seed in (1, 2):
+        host.copy_(torch.randn(8, 64, generator=torch.Generator().manual_seed(seed)))
+        want = torch.sin(torch.exp(host.cuda()) * 2.0) + 1.0
+        if host_first:
+            got = engine.forward({"x": device_x}, runtime_params=params)["out"]
+        else:
+            got = engine.replay(handle)["out"]
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, want)

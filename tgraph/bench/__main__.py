@@ -20,6 +20,8 @@ def main(argv=None) -> int:
                         help="decode batch sizes (models: 1 16 64; lora: 16)")
     parser.add_argument("--peers", nargs="*", default=["hf", "compile"],
                         help="peers to measure: hf (eager), compile (StaticCache + torch.compile)")
+    parser.add_argument("--profile", action="store_true",
+                        help="lora: also print each system's kernels by time (torch profiler)")
     args = parser.parse_args(argv)
     import torch
 
@@ -38,7 +40,7 @@ def main(argv=None) -> int:
     if args.what == "lora":
         from tgraph.bench.lora import run_lora_bench
 
-        run_lora_bench(args.presets, args.batches or [16], args.json)
+        run_lora_bench(args.presets, args.batches or [16], args.json, profile=args.profile)
     return 0
 
 

@@ -218,7 +218,7 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
                         max_loras: int = MAX_LORAS, rank: int = RANK,
                         dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
                         warmup: int = 3, iters: int = 30, preset_name: str = "custom",
-                        cuda_graph: bool = True) -> LoraBenchResult:
+                        cuda_graph: bool = True, profile: bool = False) -> LoraBenchResult:
     """Time one decode step of the base model, a mixed multi-LoRA batch and a single adapter.
 
     Builds the model of ``hf_config`` with random weights and both LoRA features, writes
@@ -235,6 +235,7 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
         warmup, iters: untimed and timed steps per system.
         preset_name: recorded in the result.
         cuda_graph: capture decode CUDA graphs (only on CUDA).
+        profile: also print each system's CUDA kernels by total time (torch profiler, 20 steps).
 
     Returns:
         The measurement; a system that raised is listed in ``skipped`` with the error.
@@ -292,6 +293,8 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
             features = () if system == "base" else (system,)
             engine = model.engines.get((False, features))
             result.captured_signatures[system] = int(getattr(engine, "captured_signatures", 0))
+            if profile:
+                _print_profile(system, step, device)
         except Exception as err:  # a failing system is reported, the others still measured
             result.skipped[system] = f"{type(err).__name__}: {str(err)[:300]}"
         finally:
@@ -305,6 +308,19 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
         rows = torch.arange(0, batch, max_loras)  # the requests that used names[0]
         result.single_vs_multi = _rel(logits["single_lora"][rows], logits["multi_lora"][rows])
     return result
+
+
+def _print_profile(system: str, step: Callable[[], object], device: torch.device) -> None:
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(20):
+            step()
+        _sync(device)
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    print(f"--- {system}: 20 steps by kernel")
+    print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60))
 
 
 # ---- reporting -----------------------------------------------------------------------------------
@@ -332,13 +348,14 @@ def print_table(results: Sequence[LoraBenchResult]) -> None:
 
 
 def run_lora_bench(presets: Sequence[str] | None = None, batches: Sequence[int] = (BATCH,),
-                   json_path: str | None = None) -> list[LoraBenchResult]:
+                   json_path: str | None = None, profile: bool = False) -> list[LoraBenchResult]:
     """The ``python -m tgraph.bench lora`` entry point (needs CUDA).
 
     Args:
         presets: model presets (default: ``llama-3.2-1b``).
         batches: decode batch sizes, one model build each.
         json_path: write the results (and the device) as JSON here.
+        profile: print each system's kernels by time (see :func:`measure_lora_decode`).
 
     Returns:
         The results, in order.
@@ -351,7 +368,8 @@ def run_lora_bench(presets: Sequence[str] | None = None, batches: Sequence[int] 
             print(f"unknown preset {name}; known: {list(PRESETS)}")
             continue
         for b in batches:
-            results.append(measure_lora_decode(preset(name), batch=b, preset_name=name))
+            results.append(measure_lora_decode(preset(name), batch=b, preset_name=name,
+                                                  profile=profile))
             print_table(results[-1:])
             gc.collect()  # the model of this run is garbage now: free its memory for the next
             torch.cuda.empty_cache()

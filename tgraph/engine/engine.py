@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -81,6 +81,7 @@ class _Capture:
     plan: LaunchPlan
     held: frozenset[str]
     all_held: bool
+    prologue: Any = None  # the prologue's own graph, when the first segment is a host one
 
     def same_objects(self, inputs: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``inputs`` are exactly the captured tensor objects (same names, same objects)."""
@@ -262,6 +263,8 @@ class Engine:
     __call__ = forward
 
     def _replay(self, capture: _Capture) -> None:
+        if capture.prologue is not None:
+            capture.prologue.replay()
         for graph, steps in zip(capture.graphs, self._segment_ranges):
             if graph is not None:
                 graph.replay()
@@ -437,7 +440,8 @@ class Engine:
 
     def capture(self, inputs: Mapping[str, torch.Tensor],
                 runtime_params: Mapping[str, Any] | None = None, *,
-                by_reference: Iterable[str] = ()) -> "CaptureHandle":
+                by_reference: Iterable[str] = (),
+                prologue: Callable[[], None] | None = None) -> "CaptureHandle":
         """Capture CUDA graphs for the signature (shapes) of ``inputs``.
 
         Each capturable segment becomes one graph (host segments run eagerly between replays).
@@ -453,6 +457,10 @@ class Engine:
                 writes (KV caches) are always held this way. When every input is held, a
                 ``forward`` given the very same tensor objects replays without any checks or
                 copies: the cheapest way to run a decode step.
+            prologue: stream work recorded ahead of the first kernel and replayed with it, e.g.
+                the copy of staged host inputs (pinned memory) into the tensors held by
+                reference, so that a step costs one graph launch and no copy call. It runs once
+                before the warm-up too.
 
         Returns:
             a handle for :meth:`replay` (``forward`` finds the capture by itself).
@@ -484,6 +492,8 @@ class Engine:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
+            if prologue is not None:
+                prologue()
             self._run_steps(plan, range(len(plan.steps)), self._initial_slots(plan, static),
                             binding)
         torch.cuda.current_stream(device).wait_stream(stream)
@@ -492,6 +502,11 @@ class Engine:
             self._graph_pool = torch.cuda.graph_pool_handle()
         slots = self._initial_slots(plan, static)
         graphs = []
+        prologue_graph = None
+        if prologue is not None and not (self.segments and self.segments[0].capturable):
+            # The first segment runs on the host: the prologue gets a graph of its own.
+            prologue_graph = self._capture_prologue(prologue)
+            prologue = None
         for seg_index, (seg, steps) in enumerate(zip(self.segments, self._segment_ranges)):
             # NOTE: slots are not released while capturing: host segments replayed between the
             # graphs read values the graphs produced (they are arena views, so this costs nothing).
@@ -503,6 +518,8 @@ class Engine:
             try:
                 with self._segment_device(seg), torch.cuda.graph(
                         graph, pool=self._graph_pool, stream=self._capture_stream(seg)):
+                    if seg_index == 0 and prologue is not None:
+                        prologue()
                     self._run_steps(plan, steps, slots, binding, release=False)
             except Exception as err:
                 ops = ", ".join(sorted({n.op for n in seg.nodes}))
@@ -510,8 +527,19 @@ class Engine:
                                    f"(ops: {ops}) failed: {err}") from err
             graphs.append(graph)
         all_held = not runtime_params and held >= set(tensors)
-        capture = self._captures[key] = _Capture(static, binding, slots, graphs, plan, held, all_held)
+        capture = self._captures[key] = _Capture(static, binding, slots, graphs, plan, held,
+                                                 all_held, prologue_graph)
         return CaptureHandle(key, capture)
+
+    def _capture_prologue(self, prologue: Callable[[], None]) -> Any:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                prologue()
+        except Exception as err:
+            raise CaptureError(f"capturing the prologue of engine {self.net.name!r} failed: "
+                               f"{err}") from err
+        return graph
 
     def replay(self, handle: "CaptureHandle") -> dict[str, torch.Tensor]:
         """Replay a signature whose inputs are all held by reference, with no checks at all.

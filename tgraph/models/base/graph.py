@@ -247,10 +247,25 @@ class GraphState:
         arrays = {k: np.asarray(v, dtype=np.int32) for k, v in parts.items()}
         arrays["block_table"] = block_table_array(batch.block_tables,
                                                   self.config.max_blocks_per_seq)
+        arrays.update(self._feature_arrays(batch, feature_names))
+        return arrays
+
+    def _feature_arrays(self, batch: BatchMeta,
+                        feature_names: tuple[str, ...]) -> dict[str, np.ndarray]:
+        arrays: dict[str, np.ndarray] = {}
         for name in feature_names:
             for k, a in self.features[name].batch_arrays(batch).items():
                 arrays[k] = np.asarray(a, dtype=np.int32)
         return arrays
+
+    def _decode_shapes(self, bucket: int,
+                       extra: dict[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
+        """The integer inputs of a decode step of ``bucket`` sequences, by name."""
+        shapes: dict[str, tuple[int, ...]] = {
+            name: (bucket,) for name in ("input_ids", "position_ids", "slots_mapping", "seq_len")}
+        shapes["block_table"] = (bucket, self.config.max_blocks_per_seq)
+        shapes.update({k: a.shape for k, a in extra.items()})
+        return shapes
 
     def _resident_inputs(self, feature_names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Tensors that outlive the step: KV caches and the features' resident inputs."""
@@ -301,29 +316,35 @@ class GraphState:
         if bucket is not None:
             # Decode through a CUDA graph: the step's integers go into the bucket's persistent
             # staging buffers, which the graph reads in place (captured on first use).
-            arrays = self._input_arrays(batch, False, key[1])
+            extra = self._feature_arrays(batch, key[1])
             staging = self._staging.get((key, bucket))
             if staging is None:
                 staging = self._staging[(key, bucket)] = _Staging(
-                    arrays, self.config.device, self._resident_inputs(key[1]))
-            staging.write(arrays)
+                    self._decode_shapes(bucket, extra), self.config.device,
+                    self._resident_inputs(key[1]))
+            staging.write(batch, extra)
             inputs = staging.inputs
             if extra_in:
                 inputs = {**inputs, **extra_in}
             handle = self.captured.get((key, bucket))
             if handle is None:
+                staging.upload()
                 self._dump_first(key, engine, inputs, runtime)
-                handle = engine.capture(inputs, runtime or None, by_reference=list(staging.inputs))
+                handle = engine.capture(inputs, runtime or None, by_reference=list(staging.inputs),
+                                        prologue=staging.upload)
                 self.captured[(key, bucket)] = handle
             if not (extra_in or extra_out or runtime):
-                # Every input is a staging or resident tensor: replay with no checks.
-                logits = engine.replay(handle)["model_out"]
-                return logits[:num_seqs]
+                # Every input is a staging or resident tensor: one launch copies them in and runs.
+                outputs = engine.replay(handle)
+                staging.mark_replayed()
+                return outputs["model_out"][:num_seqs]
         else:
             inputs = self._engine_inputs(batch, is_prefill, key[1])
             inputs.update(extra_in)
             self._dump_first(key, engine, inputs, runtime)
         outputs = engine.forward(inputs, extra_out or None, runtime or None)
+        if bucket is not None:
+            staging.mark_replayed()
         logits = outputs["model_out"]
         return logits if is_prefill else logits[:num_seqs]
 
@@ -377,34 +398,76 @@ class GraphState:
 
 class _Staging:
     """Persistent buffers of one captured decode signature: a pinned host array and a device
-    array holding every integer input back to back, plus the resident inputs. ``inputs`` is
-    the same dict of the same tensor objects at every step, so the engine replays its graph
-    without binding or copying anything."""
+    array holding every integer input back to back, plus the resident inputs.
 
-    def __init__(self, arrays: dict[str, np.ndarray], device: torch.device,
+    ``inputs`` is the same dict of the same tensor objects at every step, so the engine replays
+    its graph without binding anything, and the graph itself copies the host array to the device
+    (its captured prologue, :meth:`upload`): a step is :meth:`write`, one graph launch and
+    :meth:`mark_replayed`. Block-table rows are converted from Python lists only when they
+    change (a decoding sequence gains a block every ``block_size`` steps): converting every row
+    at every step cost more host time than the rest of the step at batch 64.
+    """
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], device: torch.device,
                  resident: dict[str, torch.Tensor]) -> None:
-        total = sum(a.size for a in arrays.values())
-        self.host = torch.empty(total, dtype=torch.int32, pin_memory=True)
-        self.host_np = self.host.numpy()
-        self.device_flat = torch.empty(total, dtype=torch.int32, device=device)
-        self.layout: list[tuple[str, int, int]] = []
+        total = sum(int(np.prod(shape)) for shape in shapes.values())
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
+        host_np = self.host.numpy()
+        self.device_flat = torch.zeros(total, dtype=torch.int32, device=device)
+        self.views: dict[str, np.ndarray] = {}
         self.inputs: dict[str, torch.Tensor] = {}
         offset = 0
-        for name, a in arrays.items():
-            self.layout.append((name, offset, a.size))
-            self.inputs[name] = self.device_flat[offset:offset + a.size].view(a.shape)
-            offset += a.size
+        for name, shape in shapes.items():
+            size = int(np.prod(shape))
+            self.views[name] = host_np[offset:offset + size].reshape(shape)
+            self.inputs[name] = self.device_flat[offset:offset + size].view(shape)
+            offset += size
         self.inputs.update(resident)
-        self._copied: torch.cuda.Event | None = None
+        self._rows: list[list[int]] = []  # block-table rows as the host array holds them
+        self._replayed: torch.cuda.Event | None = None
 
-    def write(self, arrays: dict[str, np.ndarray]) -> None:
-        # The previous step's copy may still be queued behind the GPU: let it read the pinned
-        # buffer before it is overwritten.
-        if self._copied is not None:
-            self._copied.synchronize()
-        for name, offset, size in self.layout:
-            self.host_np[offset:offset + size] = arrays[name].reshape(-1)
+    def write(self, batch: BatchMeta, extra: dict[str, np.ndarray]) -> None:
+        """Put a (bucket-padded) decode batch and the features' arrays into the host array."""
+        # The previous replay copies the host array at its start: wait for it (the step's caller
+        # reads its logits anyway, so this waits for nothing in a decode loop).
+        if self._replayed is not None:
+            self._replayed.synchronize()
+        views = self.views
+        views["input_ids"][:] = batch.input_ids
+        views["position_ids"][:] = batch.positions
+        views["slots_mapping"][:] = batch.slots
+        views["seq_len"][:] = batch.kv_lens
+        self._write_tables(batch.block_tables)
+        for name, a in extra.items():
+            views[name][...] = a
+
+    def _write_tables(self, tables: Sequence[Sequence[int]]) -> None:
+        tables = tables if isinstance(tables, list) else list(tables)
+        rows = self._rows
+        if rows == tables:
+            return
+        out = self.views["block_table"]
+        width = out.shape[1]
+        del rows[len(tables):]
+        for i, row in enumerate(tables):
+            if i < len(rows) and rows[i] == row:
+                continue
+            if len(row) > width:
+                raise ValueError(f"a sequence holds {len(row)} cache blocks, more than the table "
+                                 f"width {width} (max_model_len / block_size)")
+            # Entries past the row's length are never read (kv_lens bound them): left as they are.
+            out[i, :len(row)] = row
+            if i < len(rows):
+                rows[i] = list(row)
+            else:
+                rows.append(list(row))
+
+    def upload(self) -> None:
+        """The host-to-device copy, recorded as the captured graph's prologue."""
         self.device_flat.copy_(self.host, non_blocking=True)
-        if self._copied is None:
-            self._copied = torch.cuda.Event()
-        self._copied.record()
+
+    def mark_replayed(self) -> None:
+        """Called after the graph launch: the next :meth:`write` waits for its copy."""
+        if self._replayed is None:
+            self._replayed = torch.cuda.Event()
+        self._replayed.record()
