@@ -26,10 +26,11 @@ WEIGHTS = {"ln1": (HIDDEN,), "ln2": (HIDDEN,), "wq": (HQ * D, HIDDEN), "wk": (HK
            "wu": (INTER, HIDDEN), "wd": (HIDDEN, INTER)}
 
 
-def _record(dtype, params: dict | None = None):
-    """The block; weights are graph inputs, or Parameters (engine weights) when given."""
+def _record(dtype, params: dict | None = None, decode: bool = False):
+    """The block; weights are graph inputs, or Parameters (engine weights) when given. With
+    ``decode`` every sequence brings one token and attention has no ``query_start_loc``."""
     with recording("decoder_block") as net:
-        sym = "num_tokens"
+        sym = "batch" if decode else "num_tokens"
         h = Tensor("hidden", dtype, (sym, HIDDEN))
         residual = Tensor("residual", dtype, (sym, HIDDEN))
         cos = Tensor("cos", torch.float32, (sym, D // 2))
@@ -39,7 +40,7 @@ def _record(dtype, params: dict | None = None):
         slots = Tensor("slots", torch.int32, (sym,))
         block_table = Tensor("block_table", torch.int32, ("batch", 4))
         kv_lens = Tensor("kv_lens", torch.int32, ("batch",))
-        qsl = Tensor("query_start_loc", torch.int32, ("batch_plus_one",))
+        qsl = None if decode else Tensor("query_start_loc", torch.int32, ("batch_plus_one",))
         if params is None:
             w = {name: Tensor(name, dtype, shape) for name, shape in WEIGHTS.items()}
         else:
@@ -89,6 +90,24 @@ def _inputs(dtype, seed=0):
     }
 
 
+def _decode_inputs(dtype, seed=0):
+    """Two sequences decoding their 4th and 7th token: earlier keys already in the cache."""
+    inputs = _inputs(dtype, seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    lens = [4, 7]
+    blocks = inputs["block_table"]
+    for name in ("k_cache", "v_cache"):
+        inputs[name] = torch.randn(NUM_BLOCKS, BLOCK, HK, D, generator=gen).to(dtype)
+    pos = torch.tensor(lens) - 1
+    inputs["slots"] = (blocks[:, 0] * BLOCK + pos).to(torch.int32)
+    freqs = pos[:, None].float() / (10000 ** (torch.arange(0, D, 2).float() / D))[None, :]
+    inputs.update(hidden=inputs["hidden"][:2], residual=inputs["residual"][:2],
+                  cos=freqs.cos(), sin=freqs.sin(),
+                  kv_lens=torch.tensor(lens, dtype=torch.int32))
+    del inputs["query_start_loc"]
+    return inputs
+
+
 def _fresh(inputs):
     return {k: v.clone() for k, v in inputs.items()}
 
@@ -109,11 +128,48 @@ def test_kernel_counts_with_and_without_passes():
     assert matches["LinearEpilogue"] == 1  # the down projection absorbs the last residual add
     assert matches["HorizontalLinear"] == 0  # weights are graph inputs here: nothing to concat
     assert matches["NormLinear"] == 0  # each norm feeds several linears
+    assert matches["RopeAttention"] == 0  # prefill attention: the rope stays its own kernel
     ops = [n.op for n in fused.net.nodes if n.op not in VIEWS]
     assert ops == ["add_rms_norm", "linear", "linear", "linear", "rope_cache", "paged_attention",
                    "linear", "add_rms_norm", "linear", "linear", "silu_mul", "linear_epilogue"]
     assert fused.stats.kernel_count == 12
     assert plain.stats.kernel_count == 31
+
+
+def test_decode_block_folds_the_rope_into_attention():
+    net = _record(torch.float32, decode=True)
+    fused = net.build_engine()
+    assert {r.name: r.matches for r in fused.pass_records}["RopeAttention"] == 1
+    ops = [n.op for n in fused.net.nodes if n.op not in VIEWS]
+    assert ops == ["add_rms_norm", "linear", "linear", "linear", "rope_cache_attention",
+                   "linear", "add_rms_norm", "linear", "linear", "silu_mul", "linear_epilogue"]
+    assert fused.stats.kernel_count == 11
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_decode_fused_equals_unfused(dtype, tol):
+    net = _record(dtype, decode=True)
+    inputs = _decode_inputs(dtype)
+    a, b = _fresh(inputs), _fresh(inputs)
+    fused = net.build_engine().forward(a)["out"]
+    plain = net.build_engine(passes=False).forward(b)["out"]
+    torch.testing.assert_close(fused.float(), plain.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(a["k_cache"], b["k_cache"])
+    torch.testing.assert_close(a["v_cache"], b["v_cache"])
+
+
+def test_decode_triton_backend_matches_reference_on_cpu_interpreter():
+    # The Triton decode attention rotates q and the new key itself and writes the cache; fp32
+    # under the interpreter, 1e-4 as for the prefill block above.
+    net = _record(torch.float32, decode=True)
+    inputs = _decode_inputs(torch.float32)
+    ref_in, tri_in = _fresh(inputs), _fresh(inputs)
+    ref = net.build_engine(backend="reference").forward(ref_in)["out"]
+    engine = net.build_engine(backend="triton")
+    assert "triton.rope_cache_attention" in str(engine)
+    torch.testing.assert_close(engine.forward(tri_in)["out"], ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tri_in["k_cache"], ref_in["k_cache"])
+    torch.testing.assert_close(tri_in["v_cache"], ref_in["v_cache"])
 
 
 def test_weights_as_parameters_merge_qkv_and_gate_up():

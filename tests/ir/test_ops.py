@@ -816,6 +816,36 @@ def _rope_cache_samples(dtype: torch.dtype) -> list[Sample]:
     return out
 
 
+def _rope_attention_fn(q, k, v, cos, sin, k_cache, v_cache, slots, block_table, kv_lens,
+                       interleaved=False, scale=None, sliding_window=None):
+    q_rot, k_rot = F.rope(q, k, cos, sin, interleaved)
+    kc, vc = F.reshape_and_cache(k_rot, v, k_cache, v_cache, slots)
+    return _attention_fn(q_rot, kc, vc, block_table, kv_lens, None, scale, sliding_window)
+
+
+def _rope_attention_samples(dtype: torch.dtype) -> list[Sample]:
+    """Decode samples whose q and new k arrive unrotated: the cache-write samples' q and k turned
+    back by the step's angles, so rotating them again gives what the expectation attended."""
+    from tgraph.ir.ops.attention import _rotate
+
+    out = []
+    for interleaved, window in ((False, None), (True, 2)):
+        s = attention_sample(dtype, q_lens=[1, 1, 1], kv_lens=[3, 8, 1], q_heads=4, kv_heads=2,
+                             head_dim=16, block_size=4, write_new=True, decode=True,
+                             sliding_window=window)
+        angles = torch.rand(3, 8) * 6.0
+        cos, sin = angles.cos(), angles.sin()
+        for name in ("q", "k"):
+            s.inputs[name] = _rotate(s.inputs[name], cos, -sin, interleaved)
+        s.inputs.update(cos=cos, sin=sin)
+        s.shapes.update(cos=("batch", 8), sin=("batch", 8))
+        for name in ("q", "k", "v", "slots"):
+            s.shapes[name] = ("batch",) + tuple(s.shapes[name][1:])
+        s.kwargs["interleaved"] = interleaved
+        out.append(s)
+    return out
+
+
 def _epilogue_fn(x, w, b=None, r=None, act=None):
     out = F.linear(x, w, b)
     if act is not None:
@@ -884,6 +914,9 @@ FUSED_INFOS = [
            lambda gate, up: _silu64(gate) * up, _silu_mul_samples, fused_into="silu_mul"),
     OpInfo("fused_rope_cache", _rope_cache_fn, _rope_cache_expect, _rope_cache_samples,
            fused_into="rope_cache"),
+    # Decode: the rope and the cache write move into the attention kernel (RopeAttention).
+    OpInfo("fused_rope_cache_attention", _rope_attention_fn, None, _rope_attention_samples,
+           fused_into="rope_cache_attention"),
     OpInfo("fused_linear_epilogue", _epilogue_fn, _epilogue_expect, _epilogue_samples,
            fused_into="linear_epilogue"),
     # RMSNorm into the linear after it (and the gate after that), by NormLinear.

@@ -247,7 +247,7 @@ RULE_ARGS: dict[str, tuple[int, dict]] = {
     "squeeze": (1, {"dim": 0}), "split": (1, {"sizes": (1, 1), "dim": -1}),
     "cat": (2, {"dim": -1}), "gather": (2, {"dim": -1}), "rope": (4, {}),
     "reshape_and_cache": (5, {}), "paged_attention": (6, {}), "add_rms_norm": (3, {"eps": 1e-6}),
-    "rope_cache": (8, {}), "linear_epilogue": (4, {}), "norm_linear": (4, {"eps": 1e-6}),
+    "rope_cache": (8, {}), "rope_cache_attention": (10, {}), "linear_epilogue": (4, {}), "norm_linear": (4, {"eps": 1e-6}),
     "all_reduce": (1, {"world_size": 2}), "all_gather": (1, {"dim": -1, "world_size": 2}),
 }
 # Rules that interpret a program attribute rather than their operands.

@@ -23,6 +23,7 @@ import torch
 
 from tgraph.kernels.triton import attention_decode, attention_prefill
 from tgraph.kernels.triton.attention import (
+    NewKey,
     choose_num_splits,
     decode_workspace_numel,
     paged_attention_decode,
@@ -378,6 +379,99 @@ def test_prefill_variants_match_reference(gqa, num_kv_heads, window, block_size,
     assert_close(out, reference_prefill(case, 0.3, window))
 
 
+# ----------------------------------------------------- decode with the step's rope and cache write
+
+
+def new_key_case(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, rot_half,
+                 interleaved, device=DEVICE):
+    """A decode case whose last key per sequence arrives unrotated with the step (``NewKey``).
+
+    The cache holds NaN where this step's key goes, so reading it back instead of using the new
+    key would show; the dense reference gets the key rotated and rounded as the cache stores it.
+    Sequences of length 0 get slot -1 (padding), which must write nothing.
+    """
+    from tgraph.ir.ops.attention import rope_reference
+
+    case = make_case(lens, lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, device)
+    batch = len(lens)
+    q_raw = torch.randn(batch, num_q_heads, head_dim, device=device).to(dtype)
+    k_raw = torch.randn(batch, num_kv_heads, head_dim, device=device).to(dtype)
+    v_new = torch.randn(batch, num_kv_heads, head_dim, device=device).to(dtype)
+    angles = torch.rand(batch, rot_half, device=device) * 6.28
+    cos, sin = angles.cos(), angles.sin()
+    q_rot, k_rot = rope_reference(q_raw, k_raw, cos, sin, interleaved=interleaved)
+    slots = []
+    for b, n in enumerate(lens):
+        if n == 0:
+            slots.append(-1)
+            continue
+        page = int(case.block_table[b, (n - 1) // block_size])
+        slot = page * block_size + (n - 1) % block_size
+        slots.append(slot)
+        case.k_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
+        case.v_cache.view(-1, num_kv_heads, head_dim)[slot] = float("nan")
+        case.k_dense[b][-1] = k_rot[b]
+        case.v_dense[b][-1] = v_new[b]
+    slots_t = torch.tensor(slots, dtype=torch.int32, device=device)
+    new_key = NewKey(k_raw, v_new, cos, sin, slots_t, interleaved)
+    return case, q_raw, q_rot, k_rot, new_key
+
+
+def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, compute_dtype):
+    k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
+    out = torch.full_like(q_raw, float("nan"))
+    paged_attention_decode(q_raw, k_cache, v_cache, case.block_table, case.kv_lens, None, window,
+                           out, num_splits, new_key=new_key)
+    head_dim = q_raw.shape[-1]
+    assert_close(out, reference_decode(case, q_rot, head_dim ** -0.5, window, compute_dtype))
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    # The step's v is copied into the cache bit for bit, its k rotated to within one rounding
+    # of the cache dtype: the kernel may contract x*c - y*s into an FMA, and Triton's interpreter
+    # rounds fp32 -> bf16 differently from torch (measured: 1 ulp apart at most).
+    ulp = {torch.float32: 2 ** -22, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[q_raw.dtype]
+    for b, slot in enumerate(new_key.slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(flat_v[slot], new_key.v[b])
+            torch.testing.assert_close(flat_k[slot], k_rot[b], rtol=ulp, atol=ulp)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=flat_k.device)
+    untouched[[s for s in new_key.slots.tolist() if s >= 0]] = False
+    ref_k = case.k_cache.view(-1, *k_cache.shape[2:])
+    assert torch.equal(flat_k[untouched].isnan(), ref_k[untouched].isnan())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rot_half, window, num_splits", [(8, None, 1), (8, 6, 3), (4, None, 3)],
+                         ids=["full-s1", "window-s3", "partial-s3"])
+def test_decode_new_key_matches_rope_then_cache_then_attention(dtype, interleaved, rot_half,
+                                                                window, num_splits):
+    case, q_raw, q_rot, k_rot, nk = new_key_case([37, 1, 0, 16, 5], 4, 2, 16, 4, dtype,
+                                                 rot_half, interleaved)
+    check_new_key(case, q_raw, q_rot, k_rot, nk, window, num_splits, torch.float64)
+
+
+def test_decode_new_key_rejects_bad_input():
+    case, q_raw, _, _, nk = new_key_case([5, 3], 4, 2, 16, 4, torch.float32, 8, False)
+    out = torch.empty_like(q_raw)
+
+    def run(**over):
+        paged_attention_decode(q_raw, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                               None, None, out, new_key=dataclasses.replace(nk, **over))
+
+    with pytest.raises(ValueError, match=r"new_key.k must be \[B, Hk, D\]"):
+        run(k=nk.k[:1])
+    with pytest.raises(ValueError, match="new_key.cos must be float32"):
+        run(cos=nk.cos.double())
+    with pytest.raises(ValueError, match="2 <= R <= D=16"):
+        run(cos=torch.zeros(2, 9), sin=torch.zeros(2, 9))
+    with pytest.raises(ValueError, match="new_key.slots must be int32/int64"):
+        run(slots=nk.slots.float())
+    with pytest.raises(ValueError, match="new_key.v must be"):
+        run(v=nk.v.half())
+
+
+
 # ------------------------------------------------------------------------------ decode (CPU)
 
 DECODE_LENS = [37, 1, 16, 5]
@@ -676,3 +770,18 @@ def _cuda_time(fn, iters: int = 50) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end) / 1e3)
     return sorted(times)[len(times) // 2]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_decode_new_key(dtype, heads, head_dim, block_size):
+    lens = [8192, 1, 4095, 0, 777, 2048, 16, 5000]
+    for interleaved, window in ((False, None), (True, 1024)):
+        case, q_raw, q_rot, k_rot, nk = new_key_case(lens, heads[0], heads[1], head_dim,
+                                                     block_size, dtype, head_dim // 2,
+                                                     interleaved)
+        for splits in (None, 1, 8):
+            check_new_key(case, q_raw, q_rot, k_rot, nk, window, splits, torch.float32)

@@ -592,3 +592,16 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-4000:]
+
+
+def test_rope_in_place_detection():
+    # Only launches whose output overlaps its input pay the load/store barrier.
+    from tgraph.kernels.triton.rope import _overlaps
+
+    qkv = torch.zeros(4, 6, 8)
+    q, k = qkv[:, :4], qkv[:, 4:]
+    assert _overlaps(q, q) and _overlaps(qkv, k)
+    assert not _overlaps(torch.zeros(4, 4, 8), q)
+    assert not _overlaps(qkv[:2], qkv[2:])
+    assert _overlaps(q, k)  # interleaved rows of one buffer: spans intersect (conservative)
+    assert not _overlaps(torch.zeros(0, 4, 8), q)

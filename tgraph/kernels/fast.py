@@ -111,6 +111,18 @@ def _rope_cache(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots, *, inter
     return outs[0], k_cache, v_cache
 
 
+@_register("rope_cache_attention")
+def _rope_cache_attention(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots, block_table,
+                          kv_lens, *, interleaved=False, scale=None, sliding_window=None):
+    from tgraph.kernels.triton.attention import NewKey, paged_attention_decode
+
+    new_key = NewKey(_last_contiguous(k), _last_contiguous(v), cos.float(), sin.float(), slots,
+                     interleaved)
+    paged_attention_decode(_last_contiguous(q), k_cache, v_cache, block_table, kv_lens, scale,
+                           sliding_window, outs[0], new_key=new_key)
+    return outs[0], k_cache, v_cache
+
+
 @_register("paged_attention")
 def _paged_attention(outs: Outs, q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None,
                      *, scale=None, sliding_window=None):

@@ -1,8 +1,18 @@
-"""``RopeCache``: rotary embedding followed by the write of k/v into the paged cache becomes one
-``rope_cache`` kernel (rotate q and k, write rotated k and v at their slots)."""
+"""Attention fusions.
+
+- ``RopeCache``: rotary embedding followed by the write of k/v into the paged cache becomes one
+  ``rope_cache`` kernel (rotate q and k, write rotated k and v at their slots).
+- ``RopeAttention``: at decode (one query per sequence), ``rope_cache`` followed by the
+  ``paged_attention`` that reads its outputs becomes ``rope_cache_attention``: the attention
+  kernel rotates q and the new key itself, stores k/v, and one launch per layer is gone.
+"""
 from __future__ import annotations
 
+from tgraph.ir.network import Network
+from tgraph.ir.node import Node
 from tgraph.nn import functional as F
+from tgraph.nn.network_manager import recording
+from tgraph.passes.manager import Pass
 from tgraph.passes.pattern import Match, Pattern, PatternPass
 
 
@@ -28,3 +38,41 @@ def _make(interleaved: bool) -> Pattern:
 class RopeCache(PatternPass):
     def __init__(self) -> None:
         super().__init__("RopeCache", [_make(False), _make(True)])
+
+
+class RopeAttention(Pass):
+    """``rope_cache -> paged_attention`` (decode) becomes ``rope_cache_attention``.
+
+    Only the decode form of attention (no ``query_start_loc``: one query per sequence, at the
+    position whose key this step writes) and only when the rotated q feeds nothing else.
+    """
+
+    name = "RopeAttention"
+
+    def run(self, net: Network) -> int:
+        count = 0
+        for node in list(net.nodes):
+            if node.op == "paged_attention" and net.contains(node):
+                count += self._fuse(net, node)
+        return count
+
+    @staticmethod
+    def _fuse(net: Network, attn: Node) -> int:
+        if len(attn.inputs) != 5 and not (len(attn.inputs) == 6 and attn.inputs[5] is None):
+            return 0  # prefill: packed queries with query_start_loc
+        q_rot, kc, vc, block_table, kv_lens = attn.inputs[:5]
+        rope = q_rot.producer
+        if (rope is None or rope.op != "rope_cache" or q_rot.index != 0
+                or kc is not rope.outputs[1] or vc is not rope.outputs[2]
+                or net.users(q_rot) != [attn] or net.is_output(q_rot)):
+            return 0
+        with recording(net), net.inserting_before(attn):
+            out, new_kc, new_vc = F.record(
+                "rope_cache_attention", [*rope.inputs, block_table, kv_lens],
+                interleaved=rope.attrs.get("interleaved", False), scale=attn.attrs.get("scale"),
+                sliding_window=attn.attrs.get("sliding_window"))
+        net.replace_all_uses(attn.outputs[0], out)
+        net.replace_all_uses(kc, new_kc)
+        net.replace_all_uses(vc, new_vc)
+        net.remove_nodes([attn, rope])
+        return 1

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from tgraph.passes.activation_fusion import SwiGLU
-from tgraph.passes.attention_fusion import RopeCache
+from tgraph.passes.attention_fusion import RopeAttention, RopeCache
 from tgraph.passes.canonicalize import RmsNormFusion, SiluFusion
 from tgraph.passes.cleanup import CommonSubexpressionElimination, DeadCodeElimination, NoOpRemoval
 from tgraph.passes.collective_fusion import AllReduceAddRmsNorm
@@ -16,8 +16,9 @@ def default_pipeline() -> list[Pass]:
     """Clean up; recognise primitives spelled in plain ops; merge linears that share an input
     (so that SwiGLU sees packed gate|up); hand-written fusions (the tensor-parallel
     all-reduce + add + RMSNorm right after AddRmsNorm, which it builds on, and before pointwise
-    fusion could take the add; norms and gates into the linears around them once the norm and
-    gate ops exist); generated pointwise kernels for what is left; clean up."""
+    fusion could take the add; the decode rope into attention once rope_cache exists; norms and
+    gates into the linears around them once the norm and gate ops exist); generated pointwise
+    kernels for what is left; clean up."""
     return [
         NoOpRemoval(),
         CommonSubexpressionElimination(),
@@ -28,6 +29,7 @@ def default_pipeline() -> list[Pass]:
         AllReduceAddRmsNorm(),
         SwiGLU(),
         RopeCache(),
+        RopeAttention(),
         NormLinear(),
         LinearEpilogue(),
         PointwiseFusion(),

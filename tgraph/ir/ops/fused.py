@@ -73,6 +73,32 @@ register_op("rope_cache", infer=_rope_cache_infer, reference=rope_cache_referenc
             doc="rope(q, k) and the write of rotated k and v into the paged cache, in one kernel")
 
 
+def _rope_cache_attention_infer(q, k, v, cos, sin, k_cache, v_cache, slots, block_table, kv_lens,
+                                *, interleaved=False, scale=None, sliding_window=None):
+    q_rot, kc, vc = _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots,
+                                      interleaved=interleaved)
+    out = attn_ops._attention_infer(q_rot, kc, vc, block_table, kv_lens, scale=scale,
+                                    sliding_window=sliding_window)
+    return out, kc, vc
+
+
+def rope_cache_attention_reference(q, k, v, cos, sin, k_cache, v_cache, slots, block_table,
+                                   kv_lens, *, interleaved=False, scale=None,
+                                   sliding_window=None):
+    q_rot, kc, vc = rope_cache_reference(q, k, v, cos, sin, k_cache, v_cache, slots,
+                                         interleaved=interleaved)
+    out = attn_ops.paged_attention_reference(q_rot, kc, vc, block_table, kv_lens, scale=scale,
+                                             sliding_window=sliding_window)
+    return out, kc, vc
+
+
+register_op("rope_cache_attention", infer=_rope_cache_attention_infer,
+            reference=rope_cache_attention_reference, category=OpCategory.FUSED,
+            view_of=(None, 5, 6), mutates=(5, 6),
+            doc="decode: rope_cache then paged_attention (one query per sequence), one kernel "
+                "pair: the attention rotates q and the new k and stores k/v itself")
+
+
 def _linear_epilogue_infer(x, w, bias=None, residual=None, *, transpose_b=True, act=None):
     require(act is None or act in EPILOGUE_ACTIVATIONS,
             f"linear_epilogue: unknown activation {act!r}")

@@ -26,6 +26,7 @@ import torch
 
 from tgraph.kernels.triton.attention_decode import (
     DEFAULT_NUM_SMS,
+    NewKey,
     choose_num_splits,
     decode_config,
     launch_decode,
@@ -212,6 +213,7 @@ def paged_attention_decode(
     num_splits: int | None = None,
     *,
     workspace: torch.Tensor | None = None,
+    new_key: NewKey | None = None,
 ) -> None:
     """Attention of one query per sequence (at position ``kv_lens[b] - 1``) over a paged cache.
 
@@ -231,12 +233,18 @@ def paged_attention_decode(
         num_splits: KV splits; None picks :func:`choose_num_splits` from the shapes.
         workspace: optional fp32 buffer of at least :func:`decode_workspace_numel` elements for
             the split partials (lets an engine plan it); allocated per call when None.
+        new_key: the step's rope and cache write folded in (the ``rope_cache`` op before
+            attention, without its launch): ``q`` is unrotated, the cache does not hold this
+            step's key yet, and the kernel rotates q and ``new_key.k``, stores k and v at
+            ``new_key.slots`` and uses the new key from registers. See :class:`NewKey`.
 
     Returns:
-        None; the result is in ``out``.
+        None; the result is in ``out`` (and, with ``new_key``, the step's k/v in the cache).
     """
     op = "paged_attention_decode"
     _check_attention_args(op, q, k_cache, v_cache, block_table, kv_lens, out, sliding_window)
+    if new_key is not None:
+        _check_new_key(op, new_key, q, k_cache)
     batch, num_q_heads, head_dim = q.shape
     if kv_lens.shape[0] != batch:
         raise ValueError(f"{op}: kv_lens has {kv_lens.shape[0]} sequences but q has {batch} rows")
@@ -260,8 +268,40 @@ def paged_attention_decode(
     config = decode_config(head_dim, q.device.type == "cuda")
     launch_decode(
         q, k_cache, v_cache, block_table, kv_lens, scale, sliding_window, out, num_splits,
-        workspace.view(-1) if workspace is not None else None, config,
+        workspace.view(-1) if workspace is not None else None, config, new_key,
     )
+
+
+def _check_new_key(op: str, nk: NewKey, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    batch, _, head_dim = q.shape
+    kv_shape = (batch, k_cache.shape[2], head_dim)
+    for name, t in (("k", nk.k), ("v", nk.v)):
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != kv_shape:
+            raise ValueError(f"{op}: new_key.{name} must be [B, Hk, D] = {list(kv_shape)}, got "
+                             f"{list(getattr(t, 'shape', [type(t).__name__]))}")
+        if t.dtype != q.dtype or t.device != q.device or t.stride(-1) != 1:
+            raise ValueError(f"{op}: new_key.{name} must be {q.dtype} on {q.device} with a "
+                             f"contiguous last dim, got {t.dtype} on {t.device}, strides "
+                             f"{t.stride()}")
+    for name, t in (("cos", nk.cos), ("sin", nk.sin)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.dim() != 2 \
+                or t.shape[0] != batch or not 1 <= 2 * t.shape[1] <= head_dim \
+                or t.device != q.device or t.stride(-1) != 1:
+            raise ValueError(f"{op}: new_key.{name} must be float32 [B={batch}, R/2] with "
+                             f"2 <= R <= D={head_dim} on {q.device}, got "
+                             f"{getattr(t, 'dtype', type(t).__name__)} "
+                             f"{list(getattr(t, 'shape', []))}")
+    if nk.sin.shape != nk.cos.shape:
+        raise ValueError(f"{op}: new_key.sin {list(nk.sin.shape)} must match cos "
+                         f"{list(nk.cos.shape)}")
+    slots = nk.slots
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
+            or tuple(slots.shape) != (batch,) or slots.device != q.device:
+        raise ValueError(f"{op}: new_key.slots must be int32/int64 [{batch}] on {q.device}, "
+                         f"got {getattr(slots, 'dtype', type(slots).__name__)} "
+                         f"{list(getattr(slots, 'shape', []))}")
+    if not isinstance(nk.interleaved, bool):
+        raise TypeError(f"{op}: new_key.interleaved must be a bool, got {nk.interleaved!r}")
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:
@@ -278,6 +318,7 @@ def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_spli
 
 
 __all__ = [
+    "NewKey",
     "choose_num_splits",
     "decode_workspace_numel",
     "paged_attention_decode",

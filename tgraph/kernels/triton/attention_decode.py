@@ -19,6 +19,14 @@ H200 (2026-11-22, same process: Llama-3.2-1B batch 1 0.917 vs 0.872 ms per repla
 reduce overlaps its launch with pass 1 (PDL) and spreads over one program per query head. The loop over keys is the online-softmax loop shared with the
 prefill kernel, :func:`tgraph.kernels.triton.attention_prefill.attend_paged_keys`.
 
+With a :class:`NewKey` (the ``rope_cache_attention`` op), pass 1 also does the step's rotary
+embedding and cache write: every program rotates its q rows as it loads them, and the program whose
+split holds position ``kv_len - 1`` rotates this step's key, stores k and v at the sequence's slot
+and folds that key into its softmax state from registers; its loop stops one key short, so no
+program reads the slot being written. A same-process A/B on an H100 (2026-11-22) measured it a
+wash to 2% per step (Qwen2.5-0.5B batch 1: 0.650 vs 0.665 and 0.691 vs 0.699 ms per replay, 124
+vs 148 kernels; Llama-3.2-1B batch 1 and 16 within noise): it is kept for the launches it saves.
+
 Splits divide the keys the sequence actually has (read from ``kv_lens`` on the device), so the
 grid depends only on the batch shape and ``num_splits`` and stays CUDA-graph capturable.
 """
@@ -46,6 +54,30 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 # SM count assumed off CUDA (H100 SXM); only the heuristic uses it.
 DEFAULT_NUM_SMS = 132
+
+
+@dataclass(frozen=True)
+class NewKey:
+    """This step's key and value, for a decode that also does the rope and the cache write.
+
+    ``q`` then arrives unrotated; the split kernel rotates it, rotates ``k``, stores ``k`` and
+    ``v`` at ``slots`` in the cache (skipping slots outside it), and takes the new key from
+    registers rather than reading it back (see ``tgraph.kernels.triton.attention``'s
+    ``rope_cache_attention_decode``).
+
+    Attributes:
+        k, v: ``[B, Hk, D]``, last dim contiguous.
+        cos, sin: fp32 ``[B, R/2]``, ``2 <= R <= D``.
+        slots: int32/int64 ``[B]`` flat cache slot per sequence.
+        interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of ``(i, i + R/2)``.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    slots: torch.Tensor
+    interleaved: bool = False
 
 
 @dataclass(frozen=True)
@@ -127,16 +159,46 @@ def workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int
     return batch * num_q_heads * num_splits * (head_dim + 2)
 
 
+@triton.jit
+def _rotated_rows(rows, row_mask, offs_d, cos_row, sin_row,
+                  ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Rows ``[R, D]`` at pointers ``rows`` (``[R, 1]``) with the rotary embedding applied, fp32.
+
+    Every element is ``x * cos + sign * partner * sin`` with its rotation partner (``d +- R/2``,
+    or the other element of its pair when ``INTERLEAVED``); dims past ``2 * ROT_HALF`` pass
+    through. Two loads of the row instead of a split/join keep the tensor in one layout.
+    """
+    rotary = offs_d < 2 * ROT_HALF
+    if INTERLEAVED:
+        partner = offs_d ^ 1
+        angle = offs_d // 2
+        sign = tl.where(offs_d % 2 == 0, -1.0, 1.0)
+    else:
+        first = offs_d < ROT_HALF
+        partner = tl.where(first, offs_d + ROT_HALF, offs_d - ROT_HALF)
+        angle = tl.where(first, offs_d, offs_d - ROT_HALF)
+        sign = tl.where(first, -1.0, 1.0)
+    partner = tl.where(rotary, partner, offs_d)
+    c = tl.load(cos_row + angle, mask=rotary, other=1.0)
+    s = tl.load(sin_row + angle, mask=rotary, other=0.0)
+    x = tl.load(rows + offs_d[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    xp = tl.load(rows + partner[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    return x * c[None, :] + sign[None, :] * xp * s[None, :]
+
+
 @triton.jit(do_not_specialize=["window", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, ws_acc_ptr, ws_ml_ptr, bt_ptr, kv_lens_ptr,
+    kn_ptr, vn_ptr, cos_ptr, sin_ptr, slots_ptr, n_slots,
     qk_scale, window, num_splits, num_q_heads,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_oh, stride_btb, stride_btn,
+    stride_knb, stride_knh, stride_vnb, stride_vnh, stride_cos, stride_sin,
     GROUP: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr, PDL: tl.constexpr,
+    UPCAST: tl.constexpr, NEW_KEY: tl.constexpr, ROT_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     seq = tl.program_id(0)
@@ -158,9 +220,21 @@ def _decode_split_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     head_mask = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
-    q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     # Padding rows read zeros: their scores are 0, finite, and they are never stored.
-    q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)
+    if NEW_KEY:
+        # q arrives unrotated: rotate it here, rounded as the unfused rope would store it.
+        q_rows = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
+        q = _rotated_rows(q_rows, head_mask[:, None], offs_d, cos_ptr + seq * stride_cos,
+                          sin_ptr + seq * stride_sin, ROT_HALF, INTERLEAVED)
+        q = q.to(q_ptr.dtype.element_ty)
+        # The split holding position kv_len - 1 takes this step's key from k/v (and stores it
+        # in the cache) instead of reading it back from the cache.
+        last = tl.where(kv_len > key_lo, (kv_len - 1 - key_lo) // tl.maximum(per_split, 1), 0)
+        owns_new = split == last
+        end = tl.where(owns_new & (kv_len > 0), kv_len - 1, end)
+    else:
+        q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)
 
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
@@ -179,6 +253,15 @@ def _decode_split_kernel(
         HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, False, False, PREFETCH,
         DOT_PRECISION, UPCAST,
     )
+    if NEW_KEY:
+        if owns_new:
+            acc, l_i, m_i = _attend_new_key(
+                acc, l_i, m_i, q, seq, kv_head, kv_len, offs_d, kn_ptr, vn_ptr,
+                cos_ptr + seq * stride_cos, sin_ptr + seq * stride_sin, slots_ptr, n_slots,
+                k_ptr, v_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
+                stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+                HEAD_DIM, BLOCK_SIZE, ROT_HALF, INTERLEAVED,
+            )
 
     if DIRECT_OUT:
         # An empty sequence (kv_len 0, e.g. batch padding) leaves l = 0, acc = 0: write zeros.
@@ -193,6 +276,43 @@ def _decode_split_kernel(
         # The reduce pass works in log2 units: store the max scaled like the exponents.
         tl.store(ws_ml_ptr + rows * 2, m_i * qk_scale, mask=head_mask)
         tl.store(ws_ml_ptr + rows * 2 + 1, l_i, mask=head_mask)
+
+
+@triton.jit
+def _attend_new_key(
+    acc, l_i, m_i, q, seq, kv_head, kv_len, offs_d, kn_ptr, vn_ptr, cos_row, sin_row,
+    slots_ptr, n_slots, k_ptr, v_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
+    """This step's key of one kv head: rotate it, store it and v at the sequence's slot, and
+    fold it into the softmax state (one more key, the last one)."""
+    k_row = kn_ptr + seq.to(tl.int64) * stride_knb + kv_head * stride_knh
+    k_new = _rotated_rows(k_row + tl.zeros([1, 1], dtype=tl.int64), True, offs_d, cos_row,
+                          sin_row, ROT_HALF, INTERLEAVED)
+    k_new = k_new.to(k_ptr.dtype.element_ty)  # [1, D], rounded as the cache holds it
+    v_new = tl.load(vn_ptr + seq.to(tl.int64) * stride_vnb + kv_head * stride_vnh
+                    + offs_d[None, :]).to(v_ptr.dtype.element_ty)
+    slot = tl.load(slots_ptr + seq).to(tl.int64)
+    # Padding (slot < 0) and slots past the cache are skipped, as reshape_and_cache does.
+    # (an int bound rather than a scalar-bool mask, which the interpreter cannot broadcast)
+    store = offs_d[None, :] < tl.where((slot >= 0) & (slot < n_slots), HEAD_DIM, 0)
+    slot = tl.where(slot >= 0, slot, 0)
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
+    tl.store(k_ptr + block * stride_kb + offset * stride_ks + kv_head * stride_kh
+             + offs_d[None, :], k_new, mask=store)
+    tl.store(v_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh
+             + offs_d[None, :], v_new, mask=store)
+    if kv_len > 0:
+        score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1)  # [BLOCK_H]
+        m_new = tl.maximum(m_i, score)
+        alpha = tl.math.exp2((m_i - m_new) * qk_scale)
+        p = tl.math.exp2((score - m_new) * qk_scale)
+        acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+        l_i = l_i * alpha + p
+        m_i = m_new
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -236,6 +356,7 @@ def launch_decode(
     num_splits: int,
     workspace: torch.Tensor | None,
     config: DecodeConfig,
+    new_key: NewKey | None = None,
 ) -> None:
     """Launch split-KV decode on arguments already checked by the public wrapper.
 
@@ -245,6 +366,7 @@ def launch_decode(
         num_splits: KV splits per (sequence, kv head), >= 1.
         workspace: fp32, at least :func:`workspace_numel` elements, or None to allocate one.
         config: tile sizes from :func:`decode_config`.
+        new_key: fold the step's rope and cache write in (``q`` unrotated); see :class:`NewKey`.
     """
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
@@ -261,14 +383,22 @@ def launch_decode(
         n_acc = batch * num_q_heads * num_splits * head_dim
         ws_acc = workspace[:n_acc]
         ws_ml = workspace[n_acc:numel]
+    nk = new_key
+    dummy = kv_lens  # stands in for the new-key pointers when there is none (never read)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, ws_acc, ws_ml, block_table, kv_lens,
+        nk.k if nk else dummy, nk.v if nk else dummy, nk.cos if nk else dummy,
+        nk.sin if nk else dummy, nk.slots if nk else dummy,
+        k_cache.shape[0] * block_size,
         scale * LOG2E, sliding_window if sliding_window is not None else 0, num_splits,
         num_q_heads,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), block_table.stride(0), block_table.stride(1),
+        nk.k.stride(0) if nk else 0, nk.k.stride(1) if nk else 0,
+        nk.v.stride(0) if nk else 0, nk.v.stride(1) if nk else 0,
+        nk.cos.stride(0) if nk else 0, nk.sin.stride(0) if nk else 0,
         GROUP=group,
         BLOCK_H=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -279,6 +409,9 @@ def launch_decode(
         PREFETCH=config.prefetch_pages,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreter_needs_upcast(q.dtype),
+        NEW_KEY=nk is not None,
+        ROT_HALF=nk.cos.shape[1] if nk else 0,
+        INTERLEAVED=bool(nk and nk.interleaved),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(q),
@@ -296,6 +429,7 @@ def launch_decode(
 __all__ = [
     "DEFAULT_NUM_SMS",
     "DecodeConfig",
+    "NewKey",
     "choose_num_splits",
     "decode_config",
     "launch_decode",
