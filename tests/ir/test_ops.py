@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tgraph.layers.lora import lora_delta
+from tgraph.layers.lora import lora_shrink_concat
 from tgraph.ir.network import Network
 from tgraph.ir.ops import all_ops
 from tgraph.ir.value import Value
@@ -989,32 +989,38 @@ COLLECTIVE_INFOS = [
 ]
 
 
-def _lora_delta_samples(dtype):
+def _lora_shrink_concat_samples(dtype):
     r = lambda *s: rand(*s, dtype=dtype, lo=-1, hi=1)  # noqa: E731
     slots = torch.tensor([0, 2, 1, 2, 0, 1, 1], dtype=torch.int32)  # 0: no adapter
     order = torch.argsort(slots, stable=True).to(torch.int32)
     seg_start = torch.searchsorted(slots[order.long()], torch.arange(4, dtype=torch.int32),
                                    out_int32=True)
-    return [Sample({"x": r(7, 16), "a": r(3, 4, 16), "b": r(3, 12, 4),
-                    "scaling": torch.tensor([0.0, 0.5, 2.0]), "slots": slots},
-                   shapes={"x": ("num_tokens", 16), "slots": ("num_tokens",)}),
-            # With the per-step grouping of tokens by slot that the multi-LoRA feature passes.
-            Sample({"x": r(7, 16), "a": r(3, 4, 16), "b": r(3, 12, 4),
-                    "scaling": torch.tensor([0.0, 0.5, 2.0]), "slots": slots, "order": order,
-                    "seg_start": seg_start},
-                   shapes={"x": ("num_tokens", 16), "slots": ("num_tokens",),
-                           "order": ("num_tokens",)})]
+    inputs = {"x": r(7, 16), "a": r(3, 4, 16), "scaling": torch.tensor([0.0, 0.5, 2.0]),
+              "slots": slots, "order": order, "seg_start": seg_start,
+              "counters": torch.zeros(8, dtype=torch.int32)}
+    tokens = {"x": ("num_tokens", 16), "slots": ("num_tokens",), "order": ("num_tokens",)}
+    # Blocks right after x, then with lead columns and trailing padding (another feature's).
+    return [Sample(inputs, {"lead": 0, "width": 8}, shapes=tokens),
+            Sample(dict(inputs), {"lead": 3, "width": 16}, shapes=tokens)]
 
 
-def _lora_delta_expect(x, a, b, scaling, slots, order=None, seg_start=None):
-    rows = [torch.zeros(b.shape[1], dtype=x.dtype) if s == 0
-            else scaling[s].to(x.dtype) * (b[s] @ (a[s] @ x[t])) for t, s in enumerate(slots.tolist())]
+def _lora_shrink_concat_expect(x, a, scaling, slots, order, seg_start, counters, lead, width):
+    rank = a.shape[1]
+    rows = []
+    for t, s in enumerate(slots.tolist()):
+        lora = torch.zeros(width, dtype=x.dtype)
+        if s:
+            first = lead + (s - 1) * rank
+            lora[first:first + rank] = scaling[s].to(x.dtype) * (a[s] @ x[t])
+        rows.append(torch.cat([x[t], lora]))
     return torch.stack(rows)
 
 
-LORA_INFO = OpInfo("lora_delta", lambda x, a, b, scaling, slots, order=None, seg_start=None:
-                   lora_delta(x, a, b, scaling, slots, order, seg_start),
-                   _lora_delta_expect, _lora_delta_samples)
+LORA_INFO = OpInfo("lora_shrink_concat",
+                   lambda x, a, scaling, slots, order, seg_start, counters, lead, width:
+                   lora_shrink_concat(x, a, scaling, slots, order, seg_start, counters, lead=lead,
+                                      width=width),
+                   _lora_shrink_concat_expect, _lora_shrink_concat_samples)
 
 def _sdpa_fn(q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None, scale=None,
              sliding_window=None):

@@ -234,7 +234,7 @@ def test_shape_rule_errors_at_record_time(build, fragments: list[str]) -> None:
 RULE_ARGS: dict[str, tuple[int, dict]] = {
     "to_device": (1, {"device": "cpu:1"}), "sdpa_attention": (6, {}),
     "all_reduce_add_rms_norm": (3, {"eps": 1e-6, "world_size": 2}),
-    "lora_delta": (5, {}),
+    "lora_shrink_concat": (7, {"lead": 0, "width": 0}),
     **{name: (2, {}) for name in ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq",
                                   "ne", "lt", "le", "gt", "ge", "matmul", "embedding",
                                   "silu_mul")},

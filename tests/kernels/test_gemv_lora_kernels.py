@@ -1,4 +1,6 @@
-"""Small-M linear (GEMV / split-K) and multi-LoRA shrink/expand kernels against torch references.
+"""Small-M linear (GEMV / split-K) against torch references, and the multi-LoRA linear it runs at
+decode: one GEMV on ``[x | shrink]`` and the ``[W | B blocks]`` storage, whose base view is
+row-strided.
 
 CPU runs go through Triton's interpreter at small shapes; ``gpu`` tests use real LLM shapes.
 
@@ -15,7 +17,7 @@ import pytest
 import torch
 
 from tgraph.kernels.triton.gemv import choose_config, prefer_small_m, small_m_linear, workspace_size
-from tgraph.kernels.triton.lora import lora_expand, lora_segments, lora_shrink
+from tgraph.kernels.triton.lora import lora_segments, lora_shrink_concat, new_lora_counters
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -187,17 +189,17 @@ def test_prefer_small_m():
 # --------------------------------------------------------------------------- LoRA
 
 
-def lora_reference(x, a, b, slots, scaling) -> torch.Tensor:
-    """``scaling[s] * (x @ a[s].T) @ b[s].T`` per token in fp64; zero rows for slot 0."""
-    y = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64, device=x.device)
+def lora_linear_reference(x, w, a, b, slots, scaling) -> torch.Tensor:
+    """``x @ w.T + scaling[s] * (x @ a[s].T) @ b[s].T`` per token in fp64; no delta for slot 0."""
+    y = x.double() @ w.double().T
     for s in range(1, a.shape[0]):
         rows = slots == s
-        y[rows] = scaling[s].double() * ((x[rows].double() @ a[s].double().T) @ b[s].double().T)
+        y[rows] += scaling[s].double() * ((x[rows].double() @ a[s].double().T) @ b[s].double().T)
     return y
 
 
 def _adapters(L, R, K, N, ranks, dtype, device=DEV):
-    """Stacked adapters, slot l having rank ``ranks[l]`` zero-padded to R; slot 0 is garbage (unused)."""
+    """Stacked adapters, slot l having rank ``ranks[l]`` zero-padded to R; slot 0 is unused."""
     a = torch.randn(L, R, K, device=device) / K**0.5
     b = torch.randn(L, N, R, device=device) / R**0.5
     for slot, rank in enumerate(ranks):
@@ -207,173 +209,46 @@ def _adapters(L, R, K, N, ranks, dtype, device=DEV):
     return a.to(dtype), b.to(dtype), scaling
 
 
+def _storage(w, b, pad: int = 0) -> torch.Tensor:
+    """``[W | B_1 | ... | B_{L-1} | pad zero columns]``: the shared weight storage's layout."""
+    N = w.shape[0]
+    return torch.cat([w, *[b[s] for s in range(1, b.shape[0])],
+                      torch.zeros(N, pad, dtype=w.dtype, device=w.device)], dim=1)
+
+
 def _slots(values, device=DEV) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device=device)
 
 
-SLOT_PATTERNS = {
-    "single": [2],
-    "mixed": [0, 3, 1, 3, 0],
-    # 37 tokens, slot 2 unused (empty segment in the middle), slot 3 in two tiles of 16.
-    "many": [3] * 20 + [0, 1] * 6 + [3, 1, 0, 3, 3],
-}
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [1, 3])
+def test_small_m_linear_on_the_row_strided_base_view(dtype, M):
+    # The base model runs on storage[:, :K] after the LoRA feature re-laid its weight out.
+    N, K, L, R = 40, 96, 4, 16
+    x, w, b, r = _linear_inputs(M, N, K, dtype)
+    _, lb, _ = _adapters(L, R, K, N, [16, 4, 8, 16], dtype)
+    storage = _storage(w, lb, pad=5)
+    view = storage[:, :K]
+    assert view.stride(0) == K + 3 * R + 5
+    out = _nan((M, N), dtype)
+    small_m_linear(x, view, out, bias=b, residual=r)
+    _close(out, _linear_ref(x, w, b, r), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("pattern", list(SLOT_PATTERNS))
-@pytest.mark.parametrize("out_fp32", [True, False])
-def test_lora_shrink(dtype, pattern, out_fp32):
-    K, R, L = 96, 16, 4
-    slots = _slots(SLOT_PATTERNS[pattern])
-    T = slots.numel()
-    a, _, _ = _adapters(L, R, K, 8, [16, 4, 8, 16], dtype)
-    x = torch.randn(T, K, device=DEV).to(dtype)
-    out = _nan((T, R), torch.float32 if out_fp32 else dtype)
-    lora_shrink(x, a, slots, out)
-    expected = torch.einsum("tk,trk->tr", x.double(), a.double()[slots.long()])
-    expected[slots == 0] = 0
-    _close(out, expected, dtype)
-    assert (out[slots == 0] == 0).all()
-
-
-def test_lora_shrink_applies_scaling():
-    K, R, L = 64, 16, 3
-    slots = _slots([1, 2, 0, 2])
-    a, _, scaling = _adapters(L, R, K, 8, [16, 16, 16], torch.float32)
-    x = torch.randn(4, K, device=DEV)
-    out = _nan((4, R), torch.float32)
-    lora_shrink(x, a, slots, out, scaling=scaling)
-    expected = torch.einsum("tk,trk->tr", x.double(), a.double()[slots.long()])
-    expected *= scaling.double()[slots.long()][:, None]
-    expected[slots == 0] = 0
-    _close(out, expected, torch.float32)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("pattern", ["mixed", "many"])
-def test_lora_shrink_then_expand_matches_reference(dtype, pattern):
-    K, N, R, L = 64, 40, 16, 4
-    slots = _slots(SLOT_PATTERNS[pattern])
-    T = slots.numel()
-    a, b, scaling = _adapters(L, R, K, N, [16, 4, 8, 16], dtype)
-    x = torch.randn(T, K, device=DEV).to(dtype)
-    y = torch.randn(T, N, device=DEV).to(dtype)
-    expected = y.double() + lora_reference(x, a, b, slots, scaling)
-    y_before = y.clone()
-    segments = lora_segments(slots, L)
-    t = _nan((T, R), torch.float32)
-    lora_shrink(x, a, slots, t, segments=segments)
-    lora_expand(t, b, slots, y, scaling, segments=segments)
-    _close(y, expected, dtype)
-    assert torch.equal(y[slots == 0], y_before[slots == 0])
-
-
-def test_lora_expand_overwrite_writes_every_row():
-    # overwrite=True: the delta replaces y (slot-0 rows become zero), so y may hold garbage.
-    K, N, R, L = 64, 40, 16, 4
-    slots = _slots([0, 2, 1, 3, 0, 3, 1])
-    T = slots.numel()
-    a, b, scaling = _adapters(L, R, K, N, [16, 4, 8, 16], torch.float32)
-    x = torch.randn(T, K, device=DEV)
-    y = _nan((T, N), torch.float32)
-    t = _nan((T, R), torch.float32)
-    lora_shrink(x, a, slots, t)
-    lora_expand(t, b, slots, y, scaling, overwrite=True)
-    _close(y, lora_reference(x, a, b, slots, scaling), torch.float32)
-    assert torch.equal(y[slots == 0], torch.zeros_like(y[slots == 0]))
-
-
-@pytest.mark.parametrize("T", [1, 150])
-def test_lora_prefill_tile_size(T):
-    # T=150 takes the BLOCK_T=64 path; adapters of different rank padded to 16.
-    K, N, R, L = 48, 72, 16, 5
-    slots = torch.randint(0, L, (T,), dtype=torch.int32, device=DEV)
-    a, b, scaling = _adapters(L, R, K, N, [16, 4, 8, 16, 4], torch.float32)
-    x = torch.randn(T, K, device=DEV)
-    y = torch.randn(T, N, device=DEV)
-    expected = y.double() + lora_reference(x, a, b, slots, scaling)
-    t = _nan((T, R), torch.float32)
-    lora_shrink(x, a, slots, t)
-    lora_expand(t, b, slots, y, scaling)
-    _close(y, expected, torch.float32)
-
-
-def test_lora_expand_column_offset_on_packed_qkv():
-    # One packed [T, q|k|v] output, each part with its own adapters, plus the same via views.
-    T, R, L = 7, 16, 3
-    parts = {"q": 32, "k": 16, "v": 16}
-    slots = _slots([1, 0, 2, 2, 1, 0, 1])
-    t = torch.randn(T, R, device=DEV)
-    scaling = torch.rand(L, device=DEV) + 0.5
-    bs = {name: torch.randn(L, n, R, device=DEV) for name, n in parts.items()}
-    total = sum(parts.values()) + 3  # 3 trailing columns no adapter touches
-    y = torch.randn(T, total, device=DEV)
-    y_view = y.clone()
-    expected = y.double().clone()
-    off = 0
-    for name, n in parts.items():
-        lora_expand(t, bs[name], slots, y, scaling, column_offset=off)
-        lora_expand(t, bs[name], slots, y_view[:, off:off + n], scaling)
-        delta = torch.einsum("tr,tnr->tn", t.double(), bs[name].double()[slots.long()])
-        delta *= scaling.double()[slots.long()][:, None]
-        delta[slots == 0] = 0
-        expected[:, off:off + n] += delta
-        off += n
-    _close(y, expected, torch.float32)
-    assert torch.equal(y, y_view)
-    assert torch.equal(y[:, off:].double(), expected[:, off:])
-
-
-def test_lora_skips_out_of_range_slots():
-    K, N, R, L = 32, 16, 16, 3
-    slots = _slots([1, 7, -1, 2])
-    a, b, scaling = _adapters(L, R, K, N, [16, 16, 16], torch.float32)
-    x = torch.randn(4, K, device=DEV)
-    y = torch.randn(4, N, device=DEV)
-    y_before = y.clone()
-    t = torch.zeros(4, R, device=DEV)
-    lora_shrink(x, a, slots, t)
-    lora_expand(t, b, slots, y, scaling)
-    assert torch.equal(y[1:3], y_before[1:3])
-    valid = slots.clone()
-    valid[1:3] = 0
-    _close(y, y_before.double() + lora_reference(x, a, b, valid, scaling), torch.float32)
-
-
-def test_lora_segments():
-    slots = _slots([3, 0, 1, 3, 1, 0])
-    order, seg = lora_segments(slots, 5)
-    assert order.tolist() == [1, 5, 2, 4, 0, 3]  # stable
-    assert seg.tolist() == [0, 2, 4, 4, 6, 6]
-    assert seg.dtype == torch.int32
-
-
-def test_lora_rejects_bad_input():
-    x = torch.randn(4, 32, device=DEV)
-    a = torch.randn(3, 16, 32, device=DEV)
-    b = torch.randn(3, 24, 16, device=DEV)
-    slots = _slots([0, 1, 2, 1])
-    scaling = torch.ones(3, device=DEV)
-    t = torch.empty(4, 16, device=DEV)
-    y = torch.empty(4, 24, device=DEV)
-    with pytest.raises(TypeError, match="token_slots must be an int32"):
-        lora_shrink(x, a, slots.float(), t)
-    with pytest.raises(ValueError, match="token_slots must have shape"):
-        lora_shrink(x, a, slots[:3], t)
-    with pytest.raises(ValueError, match="lora_a must be"):
-        lora_shrink(x, a[:, :, :16], slots, t)
-    with pytest.raises(TypeError, match="lora_a dtype"):
-        lora_shrink(x, a.half(), slots, t)
-    with pytest.raises(ValueError, match="out must have shape"):
-        lora_shrink(x, a, slots, t[:, :8])
-    with pytest.raises(ValueError, match="y must be"):
-        lora_expand(t, b, slots, y, scaling, column_offset=1)
-    with pytest.raises(TypeError, match="scaling must be a float32"):
-        lora_expand(t, b, slots, y, scaling.double())
-    with pytest.raises(ValueError, match="lora_b must be"):
-        lora_expand(t, b[:, :, :8], slots, y, scaling)
-    with pytest.raises(ValueError, match="segments must be"):
-        lora_expand(t, b, slots, y, scaling, segments=lora_segments(slots, 4))
+@pytest.mark.parametrize("slots", [[2], [0, 3, 1, 3]], ids=["one", "mixed"])
+def test_lora_linear_as_one_small_m_gemm(dtype, slots):
+    # Decode at M <= 4: the shrink writes [x | blocks], one GEMV on the storage is the LoRA linear.
+    N, K, L, R = 40, 64, 4, 16
+    slots = _slots(slots)
+    M = slots.numel()
+    x, w, bias, _ = _linear_inputs(M, N, K, dtype)
+    a, lb, scaling = _adapters(L, R, K, N, [16, 4, 8, 16], dtype)
+    xcat = _nan((M, K + (L - 1) * R), dtype)
+    lora_shrink_concat(x, a, scaling, slots, xcat, new_lora_counters(DEV))
+    out = _nan((M, N), dtype)
+    small_m_linear(xcat, _storage(w, lb), out, bias=bias)
+    _close(out, lora_linear_reference(x, w, a, lb, slots, scaling) + bias.double(), dtype)
 
 
 # --------------------------------------------------------------------------- GPU, real shapes
@@ -395,22 +270,27 @@ def test_gpu_small_m_linear_real_shapes(shape, M, dtype):
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture():
-    M, N, K, T, L, R = 4, 2048, 8192, 4, 4, 16
+    # A LoRA decode step at M=4: base GEMV on the row-strided view, then the LoRA linear as shrink +
+    # one split-K GEMV on the storage, all captured; the graph serves any slot mix.
+    M, N, K, L, R = 4, 2048, 8192, 4, 16
     dtype = torch.bfloat16
-    x, w, b, r = _linear_inputs(M, N, K, dtype, "cuda")
+    x, w, b, _ = _linear_inputs(M, N, K, dtype, "cuda")
+    a, lb, scaling = _adapters(L, R, K, N, [16, 8, 16, 4], dtype, "cuda")
+    storage = _storage(w, lb)
     split = choose_config(M, N, K, "cuda")[2]
     assert split > 1  # the capture covers the two-phase path
     ws = torch.empty(workspace_size(M, N, split), device="cuda")
-    out = torch.empty(M, N, dtype=dtype, device="cuda")
-    a, lb, scaling = _adapters(L, R, K, N, [16, 8, 16, 4], dtype, "cuda")
+    ws_cat = torch.empty(workspace_size(M, N, choose_config(M, N, storage.shape[1], "cuda")[2]),
+                         device="cuda")
+    base, out = torch.empty(M, N, dtype=dtype, device="cuda"), torch.empty(M, N, dtype=dtype, device="cuda")
     slots = _slots([1, 0, 3, 1], "cuda")
-    t = torch.empty(T, R, dtype=torch.float32, device="cuda")
+    counters = new_lora_counters("cuda")
+    xcat = torch.empty(M, K + (L - 1) * R, dtype=dtype, device="cuda")
 
     def step():
-        small_m_linear(x, w, out, bias=b, workspace=ws)
-        order, seg = lora_segments(slots, L)
-        lora_shrink(x, a, slots, t, segments=(order, seg))
-        lora_expand(t, lb, slots, out, scaling, segments=(order, seg))
+        small_m_linear(x, storage[:, :K], base, bias=b, workspace=ws)
+        lora_shrink_concat(x, a, scaling, slots, xcat, counters, segments=lora_segments(slots, L))
+        small_m_linear(xcat, storage, out, bias=b, workspace=ws_cat)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -422,25 +302,26 @@ def test_gpu_cuda_graph_capture():
         step()
     for _ in range(2):
         x.copy_(torch.randn_like(x))
-        slots.copy_(torch.randint(0, L, (T,), dtype=torch.int32, device="cuda"))
+        slots.copy_(torch.randint(0, L, (M,), dtype=torch.int32, device="cuda"))
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        expected = _linear_ref(x, w, b) + lora_reference(x, a, lb, slots, scaling)
-        _close(out, expected, dtype)
+        _close(base, _linear_ref(x, w, b), dtype)
+        _close(out, lora_linear_reference(x, w, a, lb, slots, scaling) + b.double(), dtype)
+        assert not counters.any()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [16, 2048])
-def test_gpu_lora_real_shapes(T):
-    K, N, R, L = 4096, 4096, 16, 8
-    dtype = torch.bfloat16
-    a, b, scaling = _adapters(L, R, K, N, [16, 8, 16, 4, 16, 16, 8, 4], dtype, "cuda")
-    slots = torch.randint(0, L, (T,), dtype=torch.int32, device="cuda")
-    x = torch.randn(T, K, device="cuda").to(dtype)
-    y = torch.randn(T, N, device="cuda").to(dtype)
-    expected = y.double() + lora_reference(x, a, b, slots, scaling)
-    t = _nan((T, R), torch.float32, "cuda")
-    lora_shrink(x, a, slots, t)
-    lora_expand(t, b, slots, y, scaling)
-    _close(y, expected, dtype)
+@pytest.mark.parametrize("M", [1, 4])
+@pytest.mark.parametrize("shape", [(3072, 2048, 48), (2048, 8192, 16)], ids=["qkv", "down"])
+def test_gpu_lora_linear_small_m_real_shapes(shape, M):
+    N, K, R = shape
+    L, dtype = 5, torch.bfloat16
+    slots = torch.randint(0, L, (M,), dtype=torch.int32, device="cuda")
+    x, w, _, _ = _linear_inputs(M, N, K, dtype, "cuda")
+    a, lb, scaling = _adapters(L, R, K, N, [R, R, R // 2, R, 4], dtype, "cuda")
+    xcat = _nan((M, K + (L - 1) * R), dtype, "cuda")
+    lora_shrink_concat(x, a, scaling, slots, xcat, new_lora_counters("cuda"))
+    out = _nan((M, N), dtype, "cuda")
+    small_m_linear(xcat, _storage(w, lb), out)
+    _close(out, lora_linear_reference(x, w, a, lb, slots, scaling), dtype)

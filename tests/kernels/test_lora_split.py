@@ -1,44 +1,37 @@
-"""Split-K multi-LoRA: the shrink's ``[splits, T, R]`` partials, the expand's fixed-order sum, the pair
-launcher :func:`lora_shrink_expand` and the split heuristic, against torch references.
+"""The multi-LoRA shrink-concat kernel: ``[x | scaled shrink in the slot's block]`` in one launch,
+its in-launch split-K reduction (arrival counters, fixed-order sum), the split heuristic and the
+Triton wrapper of the graph op, against an fp64 torch reference.
 
 CPU runs go through Triton's interpreter at small shapes; ``gpu`` tests use the Llama-3.2-1B decode
-shapes of the LoRA benchmark (16 tokens, K/N 2048/8192, rank 16, 5 slots) in bf16/fp16.
+shapes of the LoRA benchmark (16 tokens, K 2048/8192, packed ranks 16..48, 5 slots) in bf16/fp16.
 
-References are fp64 from the same rounded inputs, so only accumulation order and roundings differ.
-Errors are ``max|got - ref| / max|ref|`` over the checked rows:
+The reference is fp64 from the same rounded inputs, so only accumulation order and the final
+rounding differ. Errors are ``max|got - ref| / max|ref|`` over the LoRA columns:
 - fp32: 1e-5 (fp32 accumulation over K <= 600 terms drifts ~1e-6).
-- fp16: 3e-3 (the shrink's fp32 sum is rounded to fp16 for the tensor-core dot, then y is rounded:
-  two unit roundoffs of 4.9e-4, plus fp32 accumulation).
-- bf16: 2e-2 (the same two roundings at unit roundoff 3.9e-3).
-The shrink partials themselves are fp32 sums of exact products: 1e-5 for every input dtype, except
-fp16 under the interpreter's dot (2e-3, as in ``test_gemv_lora_kernels.py``).
+- fp16: 2e-3 (one rounding of the fp32 sum, unit roundoff 4.9e-4, plus the interpreter's fp16 dot).
+- bf16: 1e-2 (one rounding, unit roundoff 3.9e-3).
+The copied ``x`` columns and the zero columns must be exact.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tgraph.kernels.fast_lora import lora_delta_into
+from tgraph.kernels.fast_lora import lora_shrink_concat_into
 from tgraph.kernels.triton.lora import (
-    lora_expand,
+    LORA_COUNTERS,
+    lora_concat_splits,
     lora_segments,
-    lora_shrink,
-    lora_shrink_expand,
-    lora_shrink_splits,
+    lora_shrink_concat,
+    new_lora_counters,
 )
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-PARTIAL_TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-5}
-# The shrink's K block for T <= 128 tokens: splits cover whole blocks of this many columns.
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+# The K block for T <= 128 tokens: splits cover whole blocks of this many columns.
 DECODE_BLOCK_K = 128
-
-# 21 tokens over 5 slots: slot 0 (no adapter), slot 3 empty (a gap between segments), slot 1 with
-# 17 tokens (two tiles of 16), one token out of range (7) and one negative.
-SLOTS = [1, 0, 4, 1, 2, 1, 1, 7, 1, 1, 0, 1, 1, 1, 2, 1, 1, 1, -1, 1, 1]
-L_SLOTS = 5
 
 
 def _nan(shape, dtype, device=DEV) -> torch.Tensor:
@@ -51,183 +44,148 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
     return float((got - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
 
 
-def _adapters(L: int, R: int, K: int, N: int, dtype: torch.dtype, device: str = DEV):
-    """Stacks scaled so that the shrink and the delta are O(1)."""
-    a = (torch.randn(L, R, K, device=device) / K ** 0.5).to(dtype)
-    b = (torch.randn(L, N, R, device=device) / R ** 0.5).to(dtype)
+def _case(T: int, K: int, R: int, L: int, dtype: torch.dtype, device: str = DEV, slots=None):
+    """Inputs scaled so the shrink is O(1); slot ranks differ (zero-padded rows of A)."""
+    x = torch.randn(T, K, device=device).to(dtype)
+    a = torch.randn(L, R, K, device=device) / K ** 0.5
+    for s in range(L):
+        a[s, max(1, R - 2 * s):] = 0  # slot s has rank R - 2s: padding rows are zero
     scaling = torch.rand(L, device=device) + 0.5
-    return a, b, scaling
+    if slots is None:
+        slots = torch.randint(0, L, (T,), dtype=torch.int32, device=device)
+    return x, a.to(dtype), scaling, slots
 
 
-def _valid(slots: torch.Tensor, L: int) -> torch.Tensor:
-    return (slots > 0) & (slots < L)
-
-
-def _shrink_ref(x, a, slots, k0: int = 0, k1: int | None = None) -> torch.Tensor:
-    """``x[t, k0:k1] @ a[s, :, k0:k1].T`` in fp64; zero where the slot is 0 or out of range."""
-    L = a.shape[0]
-    s = slots.long().clamp(0, L - 1)
-    out = torch.einsum("tk,trk->tr", x[:, k0:k1].double(), a.double()[s][:, :, k0:k1])
-    out[~_valid(slots, L)] = 0
+def _reference(x, a, scaling, slots, lead: int, width: int) -> torch.Tensor:
+    """fp64 ``[x | blocks]``: slot s's block at ``K + lead + (s - 1) * R``, zeros elsewhere."""
+    T, K = x.shape
+    L, R, _ = a.shape
+    out = torch.zeros(T, K + width, dtype=torch.float64, device=x.device)
+    out[:, :K] = x.double()
+    s = slots.long()
+    shrink = torch.einsum("tk,trk->tr", x.double(), a.double()[s.clamp(0, L - 1)])
+    shrink *= scaling.double()[s.clamp(0, L - 1)][:, None]
+    for t in range(T):
+        if 0 < int(s[t]) < L:
+            first = K + lead + (int(s[t]) - 1) * R
+            out[t, first:first + R] = shrink[t]
     return out
 
 
-def _delta_ref(x, a, b, slots, scaling) -> torch.Tensor:
-    L = a.shape[0]
-    s = slots.long().clamp(0, L - 1)
-    delta = torch.einsum("tr,tnr->tn", _shrink_ref(x, a, slots), b.double()[s])
-    return delta * scaling.double()[s][:, None]
+def _check(out, x, a, scaling, slots, lead, width, dtype, rows=None) -> None:
+    rows = torch.ones(x.shape[0], dtype=torch.bool, device=x.device) if rows is None else rows
+    K = x.shape[1]
+    want = _reference(x, a, scaling, slots, lead, width)
+    assert torch.equal(out[rows, :K], x[rows]), "x must be copied exactly"
+    lora, want_lora = out[rows, K:], want[rows, K:]
+    # Outside the slot's block (and in the zero rows of padded ranks) the kernel writes exact zeros.
+    assert (lora[want_lora == 0] == 0).all(), "columns outside the slot's block must be zero"
+    if want_lora.abs().max() > 0:
+        assert _rel(lora, want_lora) <= TOL[dtype]
 
 
-def _chunks(K: int, splits: int) -> list[tuple[int, int]]:
-    """The documented chunking: ``ceil(ceil(K / BLOCK_K) / splits)`` whole blocks per split."""
-    per = -(-(-(-K // DECODE_BLOCK_K)) // splits) * DECODE_BLOCK_K
-    return [(min(s * per, K), min((s + 1) * per, K)) for s in range(splits)]
-
-
-# --------------------------------------------------------------------------- shrink partials
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [1, 2, 3, 7])
-def test_shrink_writes_one_partial_per_k_chunk(dtype, splits):
-    # K = 600: 5 blocks of 128, the last ragged (88 columns); 7 splits leave two chunks empty.
-    K, R = 600, 16
-    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEV)
-    T = slots.numel()
-    a, _, _ = _adapters(L_SLOTS, R, K, 8, dtype)
-    x = torch.randn(T, K, device=DEV).to(dtype)
-    out = _nan((splits, T, R), torch.float32)
-    lora_shrink(x, a, slots, out)
-
-    valid = _valid(slots, L_SLOTS)
-    in_range = (slots >= 0) & (slots < L_SLOTS)
-    assert out[:, ~in_range].isnan().all(), "rows of out-of-range slots must stay unwritten"
-    assert (out[:, slots == 0] == 0).all()
-    for s, (k0, k1) in enumerate(_chunks(K, splits)):
-        want = _shrink_ref(x, a, slots, k0, k1)[valid]
-        if k0 == k1:
-            assert (out[s, valid] == 0).all(), f"split {s} has no K columns but is not zero"
-        else:
-            assert _rel(out[s, valid], want) <= PARTIAL_TOL[dtype], f"split {s} (K {k0}:{k1})"
-    assert _rel(out[:, valid].sum(0), _shrink_ref(x, a, slots)[valid]) <= PARTIAL_TOL[dtype]
-
-
-def test_shrink_partials_apply_scaling():
-    K, R = 300, 16
-    slots = torch.tensor([2, 0, 1, 2], dtype=torch.int32, device=DEV)
-    a, _, scaling = _adapters(3, R, K, 8, torch.float32)
-    x = torch.randn(4, K, device=DEV)
-    out = _nan((3, 4, R), torch.float32)
-    lora_shrink(x, a, slots, out, scaling=scaling)
-    want = _shrink_ref(x, a, slots) * scaling.double()[slots.long()][:, None]
-    assert _rel(out.sum(0), want) <= 1e-5
-
-
-def test_two_d_output_is_one_split():
-    # The [T, R] output keeps its meaning: the whole product, in x's dtype if asked.
-    K, R = 600, 16
-    slots = torch.tensor([1, 0, 2, 2, 1], dtype=torch.int32, device=DEV)
-    a, _, _ = _adapters(3, R, K, 8, torch.float16)
-    x = torch.randn(5, K, device=DEV).half()
-    out = _nan((5, R), torch.float16)
-    lora_shrink(x, a, slots, out)
-    assert _rel(out, _shrink_ref(x, a, slots)) <= TOL[torch.float16]
-
-
-# --------------------------------------------------------------------------- expand of partials
-
-@pytest.mark.parametrize("R,splits", [(16, 40), (48, 20), (32, 1)])
-@pytest.mark.parametrize("overwrite", [True, False])
-def test_expand_sums_the_partials(R, splits, overwrite):
-    # 40 splits at rank 16 take two loads of 32 partials (the second masked); rank 48 pads to 64
-    # and loads 8 at a time (3 loads, the last masked).
-    N, L = 40, L_SLOTS
-    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEV)
-    T = slots.numel()
-    _, b, scaling = _adapters(L, R, 8, N, torch.float32)
-    partials = torch.randn(splits, T, R, device=DEV)
-    y = torch.randn(T, N + 5, device=DEV)
-    y_before = y.clone()
-    lora_expand(partials, b, slots, y[:, 3:3 + N], scaling, overwrite=overwrite)
-
-    s = slots.long().clamp(0, L - 1)
-    delta = torch.einsum("tr,tnr->tn", partials.double().sum(0), b.double()[s]) * scaling.double()[s][:, None]
-    valid = _valid(slots, L)
-    want = delta + (0 if overwrite else y_before[:, 3:3 + N].double())
-    assert _rel(y[valid, 3:3 + N], want[valid]) <= 1e-5
-    untouched = (slots < 0) | (slots >= L) | ((slots == 0) & (not overwrite))
-    assert torch.equal(y[untouched], y_before[untouched])
-    if overwrite:
-        assert (y[slots == 0, 3:3 + N] == 0).all()
-    assert torch.equal(y[:, :3], y_before[:, :3]) and torch.equal(y[:, 3 + N:], y_before[:, 3 + N:])
-
-
-# --------------------------------------------------------------------------- the pair
+# --------------------------------------------------------------------------- the kernel
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("splits", [None, 1, 4])
-def test_shrink_expand_matches_reference(dtype, splits):
-    K, N, R, L = 600, 72, 16, L_SLOTS
-    slots = torch.tensor(SLOTS, dtype=torch.int32, device=DEV)
-    T = slots.numel()
-    a, b, scaling = _adapters(L, R, K, N, dtype)
-    x = torch.randn(T, K, device=DEV).to(dtype)
-    y = _nan((T, N), dtype)
-    workspace = None if splits is None else _nan((splits, T, R), torch.float32)
-    lora_shrink_expand(x, a, b, scaling, slots, y, overwrite=True, workspace=workspace)
-    valid = _valid(slots, L)
-    assert _rel(y[valid], _delta_ref(x, a, b, slots, scaling)[valid]) <= TOL[dtype]
-    assert (y[slots == 0] == 0).all()
-    assert y[(slots < 0) | (slots >= L)].isnan().all()
+@pytest.mark.parametrize("T", [1, 5, 16, 70])
+@pytest.mark.parametrize("splits", [None, 1, 3, 7])
+def test_shrink_concat_matches_reference(dtype, T, splits):
+    # K 600: 5 blocks of 128, the last ragged (88 columns); 7 splits leave two chunks empty.
+    # R 12 pads to a 16-wide block; slot 3 is never used; lead 5 and 3 trailing pad columns.
+    K, R, L, lead = 600, 12, 5, 5
+    width = lead + (L - 1) * R + 3
+    slots = torch.tensor([[0, 1, 2, 4][i % 4] for i in range(T)], dtype=torch.int32, device=DEV)
+    x, a, scaling, slots = _case(T, K, R, L, dtype, slots=slots[torch.randperm(T, device=DEV)])
+    out = _nan((T, K + width), dtype)
+    counters = new_lora_counters(DEV)
+    lora_shrink_concat(x, a, scaling, slots, out, counters, lead=lead, splits=splits)
+    _check(out, x, a, scaling, slots, lead, width, dtype)
+    assert not counters.any(), "the launch must leave its counters zeroed"
 
 
-def test_shrink_expand_accumulates_into_packed_columns():
-    # Two parts of one packed output, each with its own stacks, added to y (no overwrite); the
-    # segments are computed once and shared, as the model does for a step.
-    K, R, L = 200, 16, 3
-    slots = torch.tensor([1, 0, 2, 2, 1, 0, 1], dtype=torch.int32, device=DEV)
-    T = slots.numel()
-    segments = lora_segments(slots, L)
-    x = torch.randn(T, K, device=DEV)
-    y = torch.randn(T, 56, device=DEV)
-    want = y.double().clone()
-    for off, n in ((0, 32), (32, 24)):
-        a, b, scaling = _adapters(L, R, K, n, torch.float32)
-        lora_shrink_expand(x, a, b, scaling, slots, y, segments=segments, column_offset=off)
-        want[:, off:off + n] += _delta_ref(x, a, b, slots, scaling)
-    assert _rel(y, want) <= 1e-5
+def test_two_launches_reuse_the_counters_and_are_bit_identical():
+    # Two launches in a row on one counter buffer (as the linears of a step, or graph replays):
+    # each finds the counters zeroed, and a rerun gives the same bits (no float atomics).
+    T, K, R, L = 21, 1024, 16, 4
+    x, a, scaling, slots = _case(T, K, R, L, torch.float32)
+    counters = new_lora_counters(DEV)
+    assert lora_concat_splits(T, K, R, L) > 1
+    first = _nan((T, K + 3 * R), torch.float32)
+    lora_shrink_concat(x, a, scaling, slots, first, counters)
+    assert not counters.any()
+    second = _nan((T, K + 3 * R), torch.float32)
+    lora_shrink_concat(x, a, scaling, slots, second, counters)
+    assert not counters.any()
+    assert torch.equal(first, second)
+    _check(first, x, a, scaling, slots, 0, 3 * R, torch.float32)
 
 
-@pytest.mark.parametrize("slot_values", [[0, 0, 0, 0], [2, 2, 2, 2], [5, -3, 9, 5]],
-                         ids=["all-base", "one-adapter", "all-out-of-range"])
-def test_shrink_expand_degenerate_batches(slot_values):
-    K, N, R, L = 300, 24, 16, 3
-    slots = torch.tensor(slot_values, dtype=torch.int32, device=DEV)
-    a, b, scaling = _adapters(L, R, K, N, torch.float32)
-    x = torch.randn(4, K, device=DEV)
-    y = torch.randn(4, N, device=DEV)
-    y_before = y.clone()
-    lora_shrink_expand(x, a, b, scaling, slots, y)
-    assert _rel(y, y_before.double() + _delta_ref(x, a, b, slots, scaling)) <= 1e-5
-    if slot_values[0] != 2:
-        assert torch.equal(y, y_before)
+@pytest.mark.parametrize("slot_values", [[0, 0, 0, 0], [2, 2, 2, 2]], ids=["all-base", "one-adapter"])
+def test_degenerate_batches(slot_values):
+    T, K, R, L = 4, 300, 16, 3
+    x, a, scaling, slots = _case(T, K, R, L, torch.float32,
+                                 slots=torch.tensor(slot_values, dtype=torch.int32, device=DEV))
+    out = _nan((T, K + 2 * R), torch.float32)
+    lora_shrink_concat(x, a, scaling, slots, out, new_lora_counters(DEV), splits=2)
+    _check(out, x, a, scaling, slots, 0, 2 * R, torch.float32)
+    if slot_values[0] == 0:
+        assert (out[:, K:] == 0).all()
 
 
-def test_lora_delta_wrapper_uses_the_split_pair():
-    # The graph op's Triton wrapper (what the engine runs) with int64 slots and engine-style
-    # int32 segments, at a K that the heuristic splits.
-    K, N, R, L, T = 1024, 40, 16, 4, 9
-    assert lora_shrink_splits(T, K, R, L) > 1
+def test_out_of_range_slots_leave_their_rows_unwritten():
+    # Documented: a token outside [0, L) belongs to no tile (checking would need a host sync).
+    T, K, R, L = 5, 64, 16, 3
+    x, a, scaling, slots = _case(T, K, R, L, torch.float32,
+                                 slots=torch.tensor([1, 7, -1, 2, 0], dtype=torch.int32, device=DEV))
+    out = _nan((T, K + 2 * R), torch.float32)
+    lora_shrink_concat(x, a, scaling, slots, out, new_lora_counters(DEV))
+    assert out[1:3].isnan().all()
+    valid = torch.tensor([True, False, False, True, True], device=DEV)
+    _check(out, x, a, scaling, slots, 0, 2 * R, torch.float32, rows=valid)
+
+
+def test_prefill_tiles_and_strided_rows():
+    # T=150 takes the BLOCK_T=64 tiles; x is a row-strided view; rank 48 (3 packed parts of 16)
+    # pads to a 64-wide block; 2 forced splits.
+    T, K, R, L = 150, 96, 48, 4
+    x, a, scaling, slots = _case(T, K, R, L, torch.float32)
+    wide = torch.randn(T, K + 8, device=DEV)
+    wide[:, :K] = x
+    out = _nan((T, K + 3 * R), torch.float32)
+    counters = new_lora_counters(DEV)
+    lora_shrink_concat(wide[:, :K], a, scaling, slots, out, counters, splits=2)
+    _check(out, x, a, scaling, slots, 0, 3 * R, torch.float32)
+    assert not counters.any()
+
+
+def test_segments_may_be_passed_and_match_the_sort():
+    slots = torch.tensor([3, 0, 1, 3, 1, 0], dtype=torch.int32, device=DEV)
+    order, seg = lora_segments(slots, 5)
+    assert order.tolist() == [1, 5, 2, 4, 0, 3]  # stable
+    assert seg.tolist() == [0, 2, 4, 4, 6, 6] and seg.dtype == torch.int32
+    x, a, scaling, _ = _case(6, 64, 16, 5, torch.float32)
+    with_seg, without = _nan((6, 64 + 64), torch.float32), _nan((6, 64 + 64), torch.float32)
+    lora_shrink_concat(x, a, scaling, slots, with_seg, new_lora_counters(DEV),
+                       segments=(order.to(torch.int32), seg))
+    lora_shrink_concat(x, a, scaling, slots, without, new_lora_counters(DEV))
+    assert torch.equal(with_seg, without)
+
+
+def test_graph_op_wrapper():
+    # The Triton wrapper the engine runs: int64 slots, engine-style int32 segments, a K the
+    # heuristic splits.
+    T, K, R, L = 9, 1024, 16, 4
+    assert lora_concat_splits(T, K, R, L) > 1
+    x, a, scaling, _ = _case(T, K, R, L, torch.float32)
     slots = torch.tensor([3, 0, 1, 1, 3, 2, 0, 1, 3], device=DEV)
-    a, b, scaling = _adapters(L, R, K, N, torch.float32)
-    x = torch.randn(T, K, device=DEV)
     order, seg = lora_segments(slots, L)
-    out = _nan((T, N), torch.float32)
-    lora_delta_into([out], x, a, b, scaling, slots, order.to(torch.int32), seg)
-    assert _rel(out, _delta_ref(x, a, b, slots, scaling)) <= 1e-5
-    out2 = _nan((T, N), torch.float32)
-    lora_delta_into([out2], x, a, b, scaling, slots)
-    assert torch.equal(out, out2)
+    out = _nan((T, K + 2 + 3 * R), torch.float32)
+    counters = new_lora_counters(DEV)
+    lora_shrink_concat_into([out], x, a, scaling, slots, order.to(torch.int32), seg, counters,
+                            lead=2, width=2 + 3 * R)
+    _check(out, x, a, scaling, slots, 2, 2 + 3 * R, torch.float32)
+    with pytest.raises(ValueError, match="must have K \\+ width = 1075 columns"):
+        lora_shrink_concat_into([out], x, a, scaling, slots, order, seg, counters, lead=2, width=51)
 
 
 # --------------------------------------------------------------------------- the heuristic
@@ -236,11 +194,12 @@ def test_split_heuristic_fills_the_gpu_at_decode():
     sms = 132  # the count assumed off CUDA
     for K in (2048, 8192):
         for R in (16, 32, 48):
-            splits = lora_shrink_splits(16, K, R, 5, "cpu")
+            splits = lora_concat_splits(16, K, R, 5, "cpu")
             tiles = 16 // 16 + 5
-            assert 16 <= splits <= min(32, K // DECODE_BLOCK_K), (K, R, splits)
-            assert 64 <= tiles * splits <= 2 * sms, (K, R, splits)
-            # Partials an expand program sums stay bounded (rank 48 pads to 64).
+            # Two K blocks per split at least (measured faster than one on an H100).
+            assert 8 <= splits <= min(32, K // (2 * DECODE_BLOCK_K)), (K, R, splits)
+            assert 48 <= tiles * splits <= 2 * sms, (K, R, splits)
+            # The partials the last program of a tile sums stay bounded (rank 48 pads to 64).
             assert splits * 16 * max(16, 1 << (R - 1).bit_length()) <= 16384
             # Every split gets the same whole number of K blocks but the last, never none.
             per = -(-(K // DECODE_BLOCK_K) // splits)
@@ -248,58 +207,125 @@ def test_split_heuristic_fills_the_gpu_at_decode():
 
 
 def test_split_heuristic_edges():
-    assert lora_shrink_splits(16, 100, 16, 5) == 1  # one K block: nothing to split
-    assert lora_shrink_splits(0, 2048, 16, 5) == 1
-    # Prefill already has many tiles: fewer splits than decode at the same K.
-    assert lora_shrink_splits(4096, 2048, 16, 5) < lora_shrink_splits(16, 2048, 16, 5)
-    assert lora_shrink_splits(1, 8192, 16, 2) == 32
+    assert lora_concat_splits(16, 100, 16, 5) == 1  # one K block: nothing to split
+    assert lora_concat_splits(16, 256, 16, 5) == 1  # two blocks: one split of two
+    assert lora_concat_splits(0, 2048, 16, 5) == 1
+    # Prefill already has many tiles: fewer splits than decode at the same K ...
+    assert lora_concat_splits(4096, 2048, 16, 5) < lora_concat_splits(16, 2048, 16, 5)
+    # ... and more tiles than counters run unsplit.
+    assert lora_concat_splits(64 * LORA_COUNTERS, 2048, 16, 5) == 1
+    assert lora_concat_splits(4096, 2048, 16, 5, max_tiles=10) == 1
+    assert lora_concat_splits(1, 8192, 16, 2) == 32
     with pytest.raises(ValueError, match="in_features must be a non-negative int"):
-        lora_shrink_splits(16, -1, 16, 5)
+        lora_concat_splits(16, -1, 16, 5)
     with pytest.raises(ValueError, match="num_tokens must be a non-negative int"):
-        lora_shrink_splits(16.0, 2048, 16, 5)
+        lora_concat_splits(16.0, 2048, 16, 5)
 
 
 # --------------------------------------------------------------------------- bad input
 
-def test_split_paths_reject_bad_input():
-    T, K, N, R, L = 4, 64, 24, 16, 3
-    x = torch.randn(T, K, device=DEV)
-    a, b, scaling = _adapters(L, R, K, N, torch.float32)
-    slots = torch.tensor([0, 1, 2, 1], dtype=torch.int32, device=DEV)
-    y = torch.empty(T, N, device=DEV)
-    with pytest.raises(TypeError, match="3-D out holds split-K partial sums and must be float32"):
-        lora_shrink(x.half(), a.half(), slots, torch.empty(2, T, R, dtype=torch.float16, device=DEV))
-    with pytest.raises(ValueError, match=r"out must have shape \[4, 16\] or \[splits, 4, 16\]"):
-        lora_shrink(x, a, slots, torch.empty(2, T, 8, device=DEV))
-    with pytest.raises(ValueError, match="needs splits >= 1"):
-        lora_shrink(x, a, slots, torch.empty(0, T, R, device=DEV))
-    with pytest.raises(ValueError, match="out must be 2-D or 3-D"):
-        lora_shrink(x, a, slots, torch.empty(1, 2, T, R, device=DEV))
-    with pytest.raises(TypeError, match="3-D t holds split-K partial sums and must be float32"):
-        lora_expand(torch.empty(2, T, R, dtype=torch.float16, device=DEV), b.half(), slots, y.half(),
-                    scaling)
-    with pytest.raises(ValueError, match="workspace must be a float32 tensor"):
-        lora_shrink_expand(x, a, b, scaling, slots, y, workspace=torch.empty(2, T + 1, R, device=DEV))
-    with pytest.raises(ValueError, match=r"lora_b must be \[3, N, 16\]"):
-        lora_shrink_expand(x, a, b[:, :, :8], scaling, slots, y)
-    with pytest.raises(TypeError, match="lora_b dtype"):
-        lora_shrink_expand(x, a, b.half(), scaling, slots, y)
-    with pytest.raises(ValueError, match="lora_a must be"):
-        lora_shrink_expand(x, a[:, :, :32], b, scaling, slots, y)
+def test_rejects_bad_input():
+    T, K, R, L = 4, 64, 16, 3
+    x, a, scaling, slots = _case(T, K, R, L, torch.float32)
+    out = torch.empty(T, K + 2 * R, device=DEV)
+    counters = new_lora_counters(DEV)
+    with pytest.raises(ValueError, match=r"out must be \[4, >= 96\]"):
+        lora_shrink_concat(x, a, scaling, slots, out[:, :90], counters)
+    with pytest.raises(ValueError, match=r"out must be \[4, >= 99\]"):
+        lora_shrink_concat(x, a, scaling, slots, out, counters, lead=3)
+    with pytest.raises(TypeError, match="out must be torch.float32"):
+        lora_shrink_concat(x, a, scaling, slots, out.half(), counters)
+    with pytest.raises(ValueError, match=r"lora_a must be \[L, R, 64\]"):
+        lora_shrink_concat(x, a[:, :, :32], scaling, slots, out, counters)
+    with pytest.raises(TypeError, match="lora_a dtype"):
+        lora_shrink_concat(x, a.half(), scaling, slots, out, counters)
     with pytest.raises(TypeError, match="token_slots must be an int32"):
-        lora_shrink_expand(x, a, b, scaling, slots.float(), y)
+        lora_shrink_concat(x, a, scaling, slots.float(), out, counters)
+    with pytest.raises(ValueError, match=r"token_slots must have shape \[4\]"):
+        lora_shrink_concat(x, a, scaling, slots[:3], out, counters)
+    with pytest.raises(TypeError, match="scaling must be a float32"):
+        lora_shrink_concat(x, a, scaling.double(), slots, out, counters)
+    with pytest.raises(TypeError, match="counters must be a 1-D int32 tensor"):
+        lora_shrink_concat(x, a, scaling, slots, out, counters.long())
+    with pytest.raises(ValueError, match="segments must be"):
+        lora_shrink_concat(x, a, scaling, slots, out, counters, segments=lora_segments(slots, 4))
+    with pytest.raises(ValueError, match="need one counter per tile"):
+        lora_shrink_concat(x, a, scaling, slots, out, counters[:2], splits=2)
+    with pytest.raises(ValueError, match="splits must be a positive int"):
+        lora_shrink_concat(x, a, scaling, slots, out, counters, splits=0)
+
+
+# --------------------------------------------------------------------------- sm_90 compile
+
+_COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from tgraph.kernels.triton import lora
+
+fn = lora._shrink_concat_kernel
+PTRS = {"scale_ptr": "*fp32", "order_ptr": "*i32", "seg_ptr": "*i32", "part_ptr": "*fp32",
+        "count_ptr": "*i32"}
+# What the wrapper launches: decode (split, 16-token tiles) and prefill (no split, 64-token
+# tiles) tiles, bf16 tensor-core dots and fp32 IEEE dots, PDL on.
+for dtype, split, block_t, block_r in (("bf16", True, 16, 64), ("bf16", False, 64, 64),
+                                       ("fp16", True, 16, 16), ("fp32", True, 16, 32),
+                                       ("bf16", False, 64, 256)):
+    consts = dict(SPLIT=split, F32_DOT=dtype == "fp32", BLOCK_T=block_t, BLOCK_R=block_r,
+                  BLOCK_K=lora._block_k(16 if block_t == 16 else 4096, 4096), BLOCK_L=8,
+                  BLOCK_C=lora._BLOCK_C, SPLIT_BLOCK=lora._split_block(16 if split else 1, block_t, block_r),
+                  PDL=True)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = PTRS.get(name, "*" + dtype)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    warps = 8 if block_t * block_r >= 64 * 128 else 4
+    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": warps})
+print("compiled")
+"""
+
+
+@pytest.mark.slow
+def test_kernel_compiles_for_sm90_without_a_gpu():
+    # The interpreter accepts code the compiler rejects; compiling for an H100 target with the
+    # bundled ptxas catches that on a CPU-only machine, in a process without TRITON_INTERPRET.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-4000:]
 
 
 # --------------------------------------------------------------------------- GPU, real shapes
 
-GPU_TOL = {torch.float16: 3e-3, torch.bfloat16: 2e-2}
+GPU_TOL = {torch.float16: 2e-3, torch.bfloat16: 1e-2}
 # Llama-3.2-1B decode at batch 16: q/k/v packed (3 rank blocks), o, gate/up packed, down.
-GPU_SHAPES = [(2048, 2048, 16), (2048, 8192, 16), (8192, 2048, 16), (2048, 3072, 48), (2048, 16384, 32)]
+GPU_SHAPES = [(2048, 3072, 48), (2048, 2048, 16), (2048, 16384, 32), (8192, 2048, 16)]
 
 
 def _bench_slots(T: int, adapters: int = 4) -> torch.Tensor:
     """Request ``i`` uses adapter ``1 + i % adapters``, as the LoRA benchmark's mixed batch."""
     return torch.tensor([1 + i % adapters for i in range(T)], dtype=torch.int32, device="cuda")
+
+
+def _lora_linear_ref(x, w, a, b, scaling, slots) -> torch.Tensor:
+    s = slots.long()
+    delta = torch.einsum("tr,tnr->tn", torch.einsum("tk,trk->tr", x.double(), a.double()[s]),
+                         b.double()[s]) * scaling.double()[s][:, None]
+    delta[s == 0] = 0
+    return x.double() @ w.double().t() + delta
 
 
 @pytest.mark.gpu
@@ -311,47 +337,51 @@ def test_gpu_decode_shapes(shape, dtype, pattern):
     T, L = 16, 5
     slots = {"mixed": _bench_slots(T), "one-adapter": _bench_slots(T, 1),
              "with-base": torch.randint(0, L, (T,), dtype=torch.int32, device="cuda")}[pattern]
-    a, b, scaling = _adapters(L, R, K, N, dtype, "cuda")
-    x = torch.randn(T, K, device="cuda").to(dtype)
-    assert lora_shrink_splits(T, K, R, L, "cuda") > 1
-    y = _nan((T, N), dtype, "cuda")
-    lora_shrink_expand(x, a, b, scaling, slots, y, overwrite=True)
-    want = _delta_ref(x, a, b, slots, scaling)
-    assert _rel(y, want) <= GPU_TOL[dtype]
-    # Deterministic: no atomics, so a rerun is bit-identical.
-    for _ in range(2):
-        again = _nan((T, N), dtype, "cuda")
-        lora_shrink_expand(x, a, b, scaling, slots, again, overwrite=True)
-        assert torch.equal(again, y)
+    x, a, scaling, slots = _case(T, K, R, L, dtype, "cuda", slots)
+    assert lora_concat_splits(T, K, R, L, "cuda") > 1
+    counters = new_lora_counters("cuda")
+    out = _nan((T, K + 4 * R), dtype, "cuda")
+    lora_shrink_concat(x, a, scaling, slots, out, counters)
+    _check(out, x, a, scaling, slots, 0, 4 * R, dtype)
+    # The GEMM on [W | B blocks] is the LoRA linear.
+    w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(dtype)
+    b = (torch.randn(L, N, R, device="cuda") / R ** 0.5).to(dtype)
+    w_cat = torch.cat([w, *[b[s] for s in range(1, L)]], dim=1)
+    y = out @ w_cat.t()
+    want = _lora_linear_ref(x, w, a, b, scaling, slots)
+    assert _rel(y, want) <= 2 * GPU_TOL[dtype]  # the shrink's rounding, then the GEMM's
+    # Deterministic: no float atomics, so reruns are bit-identical; counters stay zeroed.
+    for _ in range(3):
+        again = _nan((T, K + 4 * R), dtype, "cuda")
+        lora_shrink_concat(x, a, scaling, slots, again, counters)
+        assert torch.equal(again, out)
+    assert not counters.any()
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 7, 300, 2048])
+@pytest.mark.parametrize("T", [1, 7, 300, 2048, 8192])
 def test_gpu_other_token_counts(T):
-    K, N, R, L, dtype = 4096, 4096, 16, 5, torch.bfloat16
-    slots = torch.randint(0, L, (T,), dtype=torch.int32, device="cuda")
-    a, b, scaling = _adapters(L, R, K, N, dtype, "cuda")
-    x = torch.randn(T, K, device="cuda").to(dtype)
-    y = torch.randn(T, N, device="cuda").to(dtype)
-    want = y.double() + _delta_ref(x, a, b, slots, scaling)
-    lora_shrink_expand(x, a, b, scaling, slots, y)
-    assert _rel(y, want) <= GPU_TOL[dtype]
+    K, R, L, dtype = 4096, 16, 5, torch.bfloat16
+    x, a, scaling, slots = _case(T, K, R, L, dtype, "cuda")
+    counters = new_lora_counters("cuda")
+    out = _nan((T, K + 8 + (L - 1) * R), dtype, "cuda")
+    lora_shrink_concat(x, a, scaling, slots, out, counters, lead=8)
+    _check(out, x, a, scaling, slots, 8, 8 + (L - 1) * R, dtype)
+    assert not counters.any()
 
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_replays_new_slots():
-    # The grids and the workspace depend on shapes only: one capture serves any slot mix.
-    T, K, N, R, L, dtype = 16, 8192, 2048, 16, 5, torch.bfloat16
-    a, b, scaling = _adapters(L, R, K, N, dtype, "cuda")
-    x = torch.randn(T, K, device="cuda").to(dtype)
-    slots = _bench_slots(T)
+    # The grid depends on shapes only and the counters clean themselves: one capture serves any
+    # slot mix, replay after replay.
+    T, K, R, L, dtype = 16, 8192, 16, 5, torch.bfloat16
+    x, a, scaling, slots = _case(T, K, R, L, dtype, "cuda", _bench_slots(T))
     order, seg = lora_segments(slots, L)
-    workspace = torch.empty(lora_shrink_splits(T, K, R, L, "cuda"), T, R, device="cuda")
-    y = torch.empty(T, N, dtype=dtype, device="cuda")
+    counters = new_lora_counters("cuda")
+    out = torch.empty(T, K + (L - 1) * R, dtype=dtype, device="cuda")
 
     def step():
-        lora_shrink_expand(x, a, b, scaling, slots, y, segments=(order, seg), overwrite=True,
-                           workspace=workspace)
+        lora_shrink_concat(x, a, scaling, slots, out, counters, segments=(order, seg))
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -367,7 +397,8 @@ def test_gpu_cuda_graph_replays_new_slots():
         new_order, new_seg = lora_segments(slots, L)
         order.copy_(new_order)
         seg.copy_(new_seg)
-        y.fill_(float("nan"))
+        out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        assert _rel(y, _delta_ref(x, a, b, slots, scaling)) <= GPU_TOL[dtype]
+        _check(out, x, a, scaling, slots, 0, (L - 1) * R, dtype)
+        assert not counters.any()

@@ -8,8 +8,10 @@ adapter, used the wrong one, or got its scaling wrong would fail.
 from __future__ import annotations
 
 import copy
+import gc
 import json
 import shutil
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,11 @@ import torch
 
 from tests.models.conftest import load_tiny
 from tgraph.errors import ConfigError, RecordError, WeightLoadError
-from tgraph.ir.ops.lora import lora_delta_reference
-from tgraph.kernels.fast_lora import lora_delta_into
-from tgraph.layers.lora import lora_delta
+from tgraph.ir.ops.lora import lora_shrink_concat_reference
+from tgraph.kernels.triton.lora import LORA_COUNTERS, lora_segments, new_lora_counters
+from tgraph.layers.lora import lora_shrink_concat
+from tgraph.nn import functional as F
+from tgraph.nn.module import Parameter
 from tgraph.nn.network_manager import new_network, recording
 from tgraph.nn.tensor import Tensor
 from tgraph.testing import PagedBatcher, hf_logits, random_hf_model
@@ -252,73 +256,141 @@ def test_bad_settings_and_names(lora_setup):
         run_steps(model, PROMPTS[:1], ["qv", None], steps=0)
 
 
-# ---- the lora_delta op ---------------------------------------------------------------------------
-def _delta_case(tokens: int = 40, k: int = 48, n: int = 72, r: int = 16, slots: int = 4,
-                dtype: torch.dtype = torch.float32, device: str = "cpu"):
+# ---- the lora_shrink_concat op + the GEMM ------------------------------------------------------
+def _concat_case(tokens: int = 40, k: int = 48, n: int = 72, r: int = 16, slots: int = 4):
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(tokens, k, generator=g).to(device, dtype)
-    a = torch.randn(slots, r, k, generator=g).to(device, dtype) / k ** 0.5
-    b = torch.randn(slots, n, r, generator=g).to(device, dtype)
-    scaling = torch.rand(slots, generator=g).add(0.5).to(device)
-    token_slots = torch.randint(0, slots, (tokens,), generator=g, dtype=torch.int32).to(device)
-    return x, a, b, scaling, token_slots
+    x = torch.randn(tokens, k, generator=g)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    a = torch.randn(slots, r, k, generator=g) / k ** 0.5
+    b = torch.randn(slots, n, r, generator=g)
+    scaling = torch.rand(slots, generator=g).add(0.5)
+    token_slots = torch.randint(0, slots, (tokens,), generator=g, dtype=torch.int32)
+    return x, w, a, b, scaling, token_slots
 
 
-def _loop_delta(x, a, b, scaling, token_slots) -> torch.Tensor:
-    """Token by token, in fp64: the plain definition."""
-    out = torch.zeros(x.shape[0], b.shape[1], dtype=torch.float64)
+def _loop_linear(x, w, a, b, scaling, token_slots) -> torch.Tensor:
+    """Token by token, in fp64: the plain definition of a multi-LoRA linear."""
+    out = x.double() @ w.double().t()
     for t, s in enumerate(token_slots.tolist()):
         if s:
-            out[t] = scaling[s].double() * (b[s].double() @ (a[s].double() @ x[t].double()))
+            out[t] += scaling[s].double() * (b[s].double() @ (a[s].double() @ x[t].double()))
     return out
 
 
-def _symbolic(x_dtype=torch.float32, rank_b: int = 16, slot_dtype=torch.int32):
-    """Symbolic inputs of the ``_delta_case`` shapes (``t`` tokens, K 48, N 72, R 16, L 4)."""
-    return (Tensor("x", x_dtype, ("t", 48)), Tensor("a", x_dtype, (4, 16, 48)),
-            Tensor("b", x_dtype, (4, 72, rank_b)), Tensor("s", torch.float32, (4,)),
-            Tensor("slots", slot_dtype, ("t",)))
+def _record_lora_linear(lead: int = 0):
+    """``F.linear([x | xa], [W | B blocks])`` on the ``_concat_case`` shapes, ``lead`` zero
+    columns before the blocks; returns the network and the concatenated weight."""
+    x, w, a, b, scaling, slots = _concat_case()
+    w_cat = torch.cat([w, torch.zeros(72, lead), *[b[s] for s in range(1, 4)]], dim=1)
+    with recording(new_network("lora_linear")) as net:
+        xcat = lora_shrink_concat(
+            Tensor("x", torch.float32, ("t", 48)), Tensor("a", torch.float32, (4, 16, 48)),
+            Tensor("s", torch.float32, (4,)), Tensor("slots", torch.int32, ("t",)),
+            Tensor("order", torch.int32, ("t",)), Tensor("seg", torch.int32, (5,)),
+            Tensor("counters", torch.int32, (LORA_COUNTERS,)), lead=lead, width=lead + 48)
+        net.mark_output(F.linear(xcat, Parameter(w_cat, name="w_cat")), "out")
+    order, seg = lora_segments(slots, 4)
+    inputs = {"x": x, "a": a, "s": scaling, "slots": slots, "order": order.to(torch.int32),
+              "seg": seg, "counters": new_lora_counters("cpu")}
+    return net, inputs, _loop_linear(x, w, a, b, scaling, slots)
 
 
-def test_lora_delta_reference_and_triton_kernel():
-    """The reference against the per-token definition, and the Triton wrapper (interpreter on
-    CPU) through a built engine against it. fp32 throughout: tolerance 1e-5 relative."""
-    x, a, b, scaling, token_slots = _delta_case()
-    want = _loop_delta(x, a, b, scaling, token_slots)
-    got_ref = lora_delta_reference(x, a, b, scaling, token_slots)
-    assert rel_err(got_ref, want) <= 1e-5
-    assert (got_ref[token_slots == 0] == 0).all()
-    assert (token_slots == 0).any() and (token_slots != 0).any()
+def test_lora_shrink_concat_reference():
+    """x copied, each token's scaled shrink in its slot's block, zeros elsewhere (fp32: 1e-5)."""
+    x, _, a, _, scaling, slots = _concat_case()
+    order, seg = lora_segments(slots, 4)
+    got = lora_shrink_concat_reference(x, a, scaling, slots, order, seg, None, lead=3, width=55)
+    assert got.shape == (40, 48 + 55)
+    assert torch.equal(got[:, :48], x)
+    for t, s in enumerate(slots.tolist()):
+        block = torch.zeros(55, dtype=torch.float64)
+        if s:
+            block[3 + (s - 1) * 16:3 + s * 16] = scaling[s].double() * (a[s].double() @ x[t].double())
+        assert rel_err(got[t, 48:], block) <= 1e-5 if s else torch.equal(got[t, 48:], block.float())
+    assert (slots == 0).any() and (slots != 0).any()
+    with pytest.raises(ValueError, match=r"token_slots must lie in \[0, 4\)"):
+        lora_shrink_concat_reference(x, a, scaling, slots + 1, order, seg, None, lead=0, width=48)
 
-    with recording(new_network("lora_delta")) as net:
-        out = lora_delta(*_symbolic())
-        net.mark_output(out, "out")
-    engine = net.build_engine(backend="triton")
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_lora_linear_is_one_gemm(backend):
+    """The shrink op then one linear on [W | B blocks] equals the per-token definition, on the
+    reference backend and with the Triton kernel (interpreter on CPU). fp32: 1e-5 relative."""
+    net, inputs, want = _record_lora_linear(lead=8)
+    engine = net.build_engine(backend=backend)
     result = torch.full((40, 72), float("nan"))
-    engine.forward({"x": x, "a": a, "b": b, "s": scaling, "slots": token_slots}, {"out": result})
-    assert "triton.lora_delta" in str(engine)
+    engine.forward(inputs, {"out": result})
     assert rel_err(result, want) <= 1e-5
+    if backend == "triton":
+        assert "triton.lora_shrink_concat" in str(engine)
+        assert not inputs["counters"].any(), "the kernel must leave its counters zeroed"
 
 
-def test_lora_delta_shape_errors():
+def test_lora_shrink_concat_shape_errors():
+    def record(a_shape=(4, 16, 48), slot_dtype=torch.int32, lead=0, width=48):
+        return lora_shrink_concat(
+            Tensor("x", torch.float32, ("t", 48)), Tensor("a", torch.float32, a_shape),
+            Tensor("s", torch.float32, (4,)), Tensor("slots", slot_dtype, ("t",)),
+            Tensor("order", torch.int32, ("t",)), Tensor("seg", torch.int32, (5,)),
+            Tensor("counters", torch.int32, (LORA_COUNTERS,)), lead=lead, width=width)
+
     with recording(new_network("bad")):
-        with pytest.raises(RecordError, match="a_stack rank vs b_stack rank differ"):
-            lora_delta(*_symbolic(rank_b=8))
+        with pytest.raises(RecordError, match="x in_features vs a_stack dim 2 differ"):
+            record(a_shape=(4, 16, 40))
         with pytest.raises(RecordError, match="token_slots must be int32 or int64"):
-            lora_delta(*_symbolic(slot_dtype=torch.float32))
+            record(slot_dtype=torch.float32)
+        with pytest.raises(RecordError, match=r"width 50 cannot hold lead 4 \+ 3 slot blocks of "
+                                              r"rank 16 \(expected width >= 52\)"):
+            record(lead=4, width=50)
+        with pytest.raises(RecordError, match=r"a_stack slots vs scaling differ \(3 vs 4\)"):
+            record(a_shape=(3, 16, 48), width=48)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_lora_delta_kernel_gpu(dtype):
-    """Decode- and prefill-sized token counts at Llama-8B q/k/v widths (K 4096, N 6144, rank 3x16).
-    bf16/fp16 inputs, fp32 accumulation: tolerance 2e-2 (bf16) / 5e-3 (fp16) relative."""
-    for tokens in (7, 1024):
-        x, a, b, scaling, token_slots = _delta_case(tokens, 4096, 6144, 48, 9, dtype, "cuda")
-        want = lora_delta_reference(x.float(), a.float(), b.float(), scaling, token_slots)
-        out = torch.full((tokens, 6144), float("nan"), dtype=dtype, device="cuda")
-        lora_delta_into([out], x, a, b, scaling, token_slots)
-        assert rel_err(out.float(), want) <= (2e-2 if dtype == torch.bfloat16 else 5e-3)
+# ---- the shared weight storage -------------------------------------------------------------------
+def _base_logits(model: Any, steps: int = 1) -> list[torch.Tensor]:
+    return [logits for _, logits in run_steps(model, PROMPTS[:2], None, steps=steps)]
+
+
+def test_weights_are_held_once_and_the_base_engine_is_unchanged(lora_setup):
+    """Loading an adapter re-lays every target weight out into [W | multi | single] storage: the
+    base weight becomes a view of it (no second copy), base engines built before are rebound to
+    that view and compute the same logits, bit for bit (the same fp32 values, read with another
+    row stride)."""
+    tm, root, _ = lora_setup
+    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8},
+                                         "multi_lora": {"max_rank": 8, "max_loras": 3}})
+    before = _base_logits(model)
+    engines = dict(model.engines)
+    targets = model.features["multi_lora"].targets
+    originals = {t.key: t.linear.weight.data.clone() for t in targets}
+    old = [weakref.ref(t.linear.weight.data) for t in targets]
+    model.features["multi_lora"].load("qv", root / "qv")
+    gc.collect()
+    assert all(ref() is None for ref in old), "an old weight tensor is still held (a second copy)"
+
+    multi, single = model.features["multi_lora"], model.features["single_lora"]
+    for t in multi.targets:
+        bank = multi.banks[t.key]
+        assert bank is single.banks[t.key]  # one storage shared by both features
+        weight = t.linear.weight.data
+        assert bank.shares_storage(weight) and weight.data_ptr() == bank.storage.data_ptr()
+        assert torch.equal(weight, originals[t.key])
+        assert bank.storage.shape == (t.out_features, t.in_features + multi.region_width(t)
+                                      + single.region_width(t))
+        assert multi.region_width(t) == 3 * 8 * len(t.enabled)
+        for engine in engines.values():  # built before: rebound, not holding the old tensor
+            held = {v.name: d for v, d in engine.weights.items()}
+            assert bank.shares_storage(held[t.linear.weight.name])
+    after = _base_logits(model)
+    assert model.engines == engines  # rebound, not rebuilt
+    for a, b in zip(before, after):
+        assert torch.equal(a, b)
+    # and the LoRA engine's GEMM weights are views of the same storage
+    run_steps(model, PROMPTS[:1], ["qv"], steps=0)
+    lora_engine = model.engines[(True, ("multi_lora",))]
+    cats = [d for v, d in lora_engine.weights.items() if v.name.endswith("weight_cat")]
+    assert len(cats) == len(multi.targets)
+    assert all(any(multi.banks[t.key].shares_storage(d) for t in multi.targets) for d in cats)
 
 
 def test_narrow_target_modules_match_peft(lora_setup):
@@ -335,8 +407,8 @@ def test_narrow_target_modules_match_peft(lora_setup):
 
 
 def test_mixed_batch_triton_backend(lora_setup, monkeypatch):
-    """The same mixed batch with the Triton backend (interpreter on CPU): lora_delta runs the
-    shrink/expand kernels. fp32: tolerance as above."""
+    """The same mixed batch with the Triton backend (interpreter on CPU): lora_shrink_concat runs
+    the shrink kernel, and every adapted linear is one GEMM. fp32: tolerance as above."""
     from tgraph.ir.network import Network
 
     build = Network.build_engine
@@ -353,7 +425,7 @@ def test_mixed_batch_triton_backend(lora_setup, monkeypatch):
     loras = ["all", None, "qv", "mlp"]
     results = run_steps(model, PROMPTS[:4], loras, steps=1)
     engine = model.engines[(True, ("multi_lora",))]
-    assert "triton.lora_delta" in str(engine)
+    assert "triton.lora_shrink_concat" in str(engine)
     assert_matches(results, [peft[n] if n else tm.hf for n in loras], tm.hf)
 
 

@@ -12,8 +12,9 @@ batch mixes them with base-model (no adapter) requests.
 Bounds:
 
 * At 4 requests (a captured bucket, no padding) every decode kernel is a Triton kernel
-  (``prefer_small_m`` sends linears of <= 4 rows to the small-M kernel; attention, norms and
-  ``lora_delta`` are Triton): the same deterministic kernels on the same shapes, replayed from a
+  (``prefer_small_m`` sends linears of <= 4 rows, the LoRA linears' single GEMMs on
+  ``[x | shrink]`` included, to the small-M kernel; attention, norms and ``lora_shrink_concat``
+  are Triton): the same deterministic kernels on the same shapes, replayed from a
   graph or launched one by one, give **bit-identical** logits.
 * At 7 requests the captured run pads to bucket 8, the uncaptured one does not, and cuBLAS may
   pick another GEMM for 8 rows than for 7: fp32 accumulation in another order, each op rounded

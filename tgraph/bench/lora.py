@@ -10,12 +10,15 @@ at context 512:
   requests at batch 16: every slot is live and tokens of one adapter are not contiguous);
 * ``single_lora``: one adapter applied to every request.
 
-CUDA graphs are on, as the model runs by default: ``capture_decode_graphs`` captures the base
-engine; whether each LoRA engine ran from a captured graph is read from its
-``captured_signatures`` and reported, never assumed. Each LoRA run's logits are compared with
-the base run's (the adapters must move them) and the single-adapter rows with the multi-adapter
-rows of the same adapter (two code paths, one answer). On CPU the same measurement runs with
-wall-clock timing, which the tests use as a smoke run at tiny shapes.
+Every adapted linear runs as one GEMM on ``[x | shrink]`` and the weight storage ``[W | B
+columns]`` (see :mod:`tgraph.models.base.lora_features`); the base model runs on a view of the
+same storage. CUDA graphs are on, as the model runs by default: ``capture_decode_graphs``
+captures the base engine (after the adapters are loaded); whether each LoRA engine ran from a
+captured graph is read from its ``captured_signatures`` and reported, never assumed. Each LoRA
+run's logits are compared with the base run's (the adapters must move them) and the
+single-adapter rows with the multi-adapter rows of the same adapter (two code paths, one
+answer). On CPU the same measurement runs with wall-clock timing, which the tests use as a smoke
+run at tiny shapes.
 """
 from __future__ import annotations
 
@@ -260,11 +263,8 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
     model.allocate_kv_cache(batch * -(-(context + 1) // block_size) + 1)
     result = LoraBenchResult(preset_name, str(device), str(dtype).replace("torch.", ""), batch,
                              context, max_loras, rank)
-    start = time.perf_counter()
-    result.cuda_graph_buckets = list(model.capture_decode_graphs([batch]))
-    _sync(device)
-    result.capture_s = time.perf_counter() - start
-
+    # Adapters first: the first load lays the target weights out beside their LoRA columns, which
+    # engines built (and graphs captured) before would have to be rebound to.
     multi, single = model.features["multi_lora"], model.features["single_lora"]
     names = [f"lora{i}" for i in range(max_loras)]
     with tempfile.TemporaryDirectory(prefix="tgraph-lora-bench-") as tmp:
@@ -273,6 +273,10 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
             multi.load(name, path)
             if i == 0:
                 single.load(name, path)
+    start = time.perf_counter()
+    result.cuda_graph_buckets = list(model.capture_decode_graphs([batch]))
+    _sync(device)
+    result.capture_s = time.perf_counter() - start
 
     meta = _decode_batch(batch, context, block_size)
     mixed = dataclasses.replace(meta, loras=[names[i % max_loras] for i in range(batch)])

@@ -602,6 +602,9 @@ class Engine:
         until ``capture`` is called again. Needed before the memory or the process group the
         graphs use goes away (a KV cache reallocated, NCCL communicators destroyed)."""
         self._captures.clear()
+        # A pool whose graphs are all gone cannot take new captures (PyTorch asserts on its
+        # use count): later captures get a fresh one.
+        self._graph_pool = None
 
     def _check_weight_devices(self, device: torch.device) -> None:
         if self.placement is not None:

@@ -10,6 +10,10 @@ block-diagonal (``B_packed [out_total, E * R]``, a part's output rows times its 
 the feature does not target gets no block and no delta). ``R`` is the feature's
 ``max_rank``: every adapter is zero-padded to it, so all adapters have the same shapes and
 switching adapters never rebuilds an engine. Zero padding adds exact zeros.
+
+At run time ``A_packed`` is stacked per slot and ``B_packed`` sits beside the base weight (see
+:mod:`tgraph.layers.lora_bank`): the linear and its adapters run as one GEMM on the operand that
+:func:`lora_shrink_concat` records.
 """
 from __future__ import annotations
 
@@ -23,13 +27,13 @@ from typing import Any, Iterable
 import torch
 
 from tgraph.errors import ConfigError, WeightLoadError
-from tgraph.kernels import fast_lora  # noqa: F401  (registers lora_delta's Triton wrapper)
+from tgraph.kernels import fast_lora  # noqa: F401  (registers lora_shrink_concat's Triton wrapper)
 from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
 
 __all__ = [
     "LORA_TARGET_MODULES", "LoraAdapter", "LoraTarget", "check_adapter", "find_lora_targets",
-    "load_peft_adapter", "lora_delta", "pack_adapter",
+    "load_peft_adapter", "lora_shrink_concat", "pack_adapter",
 ]
 
 # PEFT module names tgraph can adapt, by the packed tgraph module that holds them.
@@ -315,24 +319,26 @@ def pack_adapter(adapter: LoraAdapter | None, target: LoraTarget, max_rank: int,
     return a_packed, b_packed
 
 
-def lora_delta(x: Tensor, a_stack: Tensor, b_stack: Tensor, scaling: Tensor,
-               token_slots: Tensor, token_order: Tensor | None = None,
-               seg_start: Tensor | None = None) -> Tensor:
-    """Record the per-token multi-LoRA delta (see ``tgraph.ir.ops.lora``).
+def lora_shrink_concat(x: Tensor, a_stack: Tensor, scaling: Tensor, token_slots: Tensor,
+                       token_order: Tensor, seg_start: Tensor, counters: Tensor, *, lead: int,
+                       width: int) -> Tensor:
+    """Record the concatenated operand ``[x | scaled shrink]`` of a LoRA linear's single GEMM
+    (see ``tgraph.ir.ops.lora``).
 
     Args:
-        x: ``[tokens, in]``; a_stack ``[slots, rank, in]``; b_stack ``[slots, out, rank]``;
-            scaling fp32 ``[slots]``; token_slots int32 ``[tokens]`` (0: no adapter).
-        token_order, seg_start: optional int32 ``[tokens]`` / ``[slots + 1]``: the tokens
-            grouped by slot, computed once per step (see
+        x: ``[tokens, in]``; a_stack ``[slots, rank, in]``; scaling fp32 ``[slots]``;
+            token_slots int32 ``[tokens]`` (0: no adapter).
+        token_order, seg_start: int32 ``[tokens]`` / ``[slots + 1]``: the tokens grouped by
+            slot, computed once per step (see
             :meth:`tgraph.models.base.lora_features.MultiLoraDecorator.batch_arrays`).
+        counters: the feature's zeroed int32 arrival counters.
+        lead: zero columns before slot 1's block; width: columns after ``x``.
 
     Returns:
-        ``[tokens, out]``.
+        ``[tokens, in + width]``.
     """
-    inputs = [x, a_stack, b_stack, scaling, token_slots]
-    if token_order is not None or seg_start is not None:
-        inputs += [token_order, seg_start]
-    out = F.record("lora_delta", inputs)
+    out = F.record("lora_shrink_concat",
+                   [x, a_stack, scaling, token_slots, token_order, seg_start, counters],
+                   lead=lead, width=width)
     assert not isinstance(out, tuple)
     return out

@@ -153,6 +153,11 @@ class LLM:
             distributed.check_same_config(self.model.llm_config, what="model config")
         self.load_seconds = time.perf_counter() - start
         self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
+        # Adapters first: loading the first one re-lays the target weights out with room for
+        # the adapters' B columns, which the KV-cache sizing below must see, and which would
+        # otherwise drop the decode graphs captured below.
+        for name, path in (loras or {}).items():
+            self.load_lora(name, path)
         c = self.model.llm_config
         num_blocks = plan_num_blocks(self.model, llm.cache.num_blocks,
                                      llm.cache.gpu_memory_utilization, llm.scheduler.max_num_seqs,
@@ -172,8 +177,6 @@ class LLM:
                                    max_num_batched_tokens=llm.scheduler.max_num_batched_tokens,
                                    max_model_len=c.max_model_len)
         self.runner = ModelRunner(self.model)
-        for name, path in (loras or {}).items():
-            self.load_lora(name, path)
         # Request ids are taken only once a stream's requests are accepted (on every rank), so
         # a rejected call leaves the ranks' counters equal.
         self._next_id = 0

@@ -1,14 +1,24 @@
-"""Multi-LoRA: the per-token adapter delta of one (possibly packed) linear.
+"""Multi-LoRA: the concatenated operand of a LoRA linear run as one GEMM.
 
-``lora_delta(x, a_stack, b_stack, scaling, token_slots[, token_order, seg_start])`` computes, for every token ``t`` with
-adapter slot ``s = token_slots[t]``::
+A LoRA linear ``y = x @ W.T + scaling[s] * (x @ A[s].T) @ B[s].T`` (``s`` the token's adapter
+slot) is the single GEMM ``y = xcat @ [W | B_1 | ... | B_{L-1}].T`` on::
 
-    delta[t] = scaling[s] * (x[t] @ a_stack[s].T) @ b_stack[s].T
+    xcat = lora_shrink_concat(x, a_stack, scaling, token_slots, token_order, seg_start, counters,
+                              lead=lead, width=width)
+
+``xcat [T, K + width]`` (``x``'s dtype) holds ``x`` in columns ``[0, K)``; for a token of slot
+``s >= 1`` it holds ``scaling[s] * x[t] @ a_stack[s].T`` (fp32 accumulation, rounded once) in
+columns ``K + lead + (s - 1) * R`` onwards (``R`` wide), and exact zeros in every other column
+(slot 0, "no adapter": zeros only). ``lead`` zero columns come before slot 1's block and zero
+padding after slot ``L - 1``'s, up to ``width``: columns that other adapters own in a shared
+weight (see ``tgraph.layers.lora_bank``).
 
 Layouts (shared with ``tgraph.kernels.triton.lora``): ``x [T, K]``, ``a_stack [L, R, K]``,
-``b_stack [L, N, R]``, ``scaling`` fp32 ``[L]``, ``token_slots`` int32 ``[T]`` -> ``[T, N]`` in
-``x``'s dtype. Slot 0 means "no adapter": its rows are zero whatever the stacks hold, so the
-model code adds the delta unconditionally.
+``scaling`` fp32 ``[L]``, ``token_slots`` int ``[T]``, ``token_order`` int ``[T]`` (token indices
+sorted by slot, stable) and ``seg_start`` int ``[L + 1]`` (where each slot's run starts): the
+grouping computed once per step, so the kernel of every adapted linear skips the sort;
+``counters`` int32 ``[C]``: the kernel's arrival counters, a persistent zeroed buffer it leaves
+zeroed (the reference ignores it).
 """
 from __future__ import annotations
 
@@ -28,85 +38,95 @@ from tgraph.ir.ops.registry import (
 from tgraph.ir.shape import dims_conflict
 
 
-def _lora_delta_infer(x: Meta, a: Meta, b: Meta, scaling: Meta, slots: Meta,
-                      order: Meta | None = None, seg_start: Meta | None = None) -> Meta:
-    require_rank(x, 2, "lora_delta x ([tokens, in_features])")
-    require_rank(a, 3, "lora_delta a_stack ([slots, rank, in_features])")
-    require_rank(b, 3, "lora_delta b_stack ([slots, out_features, rank])")
-    require_rank(scaling, 1, "lora_delta scaling ([slots])")
-    require_rank(slots, 1, "lora_delta token_slots ([tokens])")
-    require_float(x, "lora_delta x")
-    require_same_dtype(x, a, "lora_delta x and a_stack")
-    require_same_dtype(x, b, "lora_delta x and b_stack")
+def _check_layout(x: Meta, a: Meta, lead: int, width: int) -> None:
+    for name, v in (("lead", lead), ("width", width)):
+        require(isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+                f"lora_shrink_concat: {name} must be a non-negative int, got {v!r}")
+    slots_n, rank = dim_of(a, 0), dim_of(a, 1)
+    if isinstance(slots_n, int) and isinstance(rank, int):
+        need = lead + max(slots_n - 1, 0) * rank
+        require(width >= need,
+                f"lora_shrink_concat: width {width} cannot hold lead {lead} + {slots_n - 1} slot "
+                f"blocks of rank {rank} (expected width >= {need}); a_stack {a}")
+
+
+def _shrink_concat_infer(x: Meta, a: Meta, scaling: Meta, slots: Meta, order: Meta,
+                         seg_start: Meta, counters: Meta, *, lead: int, width: int) -> Meta:
+    require_rank(x, 2, "lora_shrink_concat x ([tokens, in_features])")
+    require_rank(a, 3, "lora_shrink_concat a_stack ([slots, rank, in_features])")
+    require_rank(scaling, 1, "lora_shrink_concat scaling ([slots])")
+    for meta, what in ((slots, "token_slots ([tokens])"), (order, "token_order ([tokens])"),
+                       (seg_start, "seg_start ([slots + 1])"), (counters, "counters ([n])")):
+        require_rank(meta, 1, f"lora_shrink_concat {what}")
+        require_int(meta, f"lora_shrink_concat {what.split()[0]}")
+    require_float(x, "lora_shrink_concat x")
+    require_same_dtype(x, a, "lora_shrink_concat x and a_stack")
     require(scaling.dtype in (None, torch.float32),
-            f"lora_delta scaling must be float32, got {scaling}")
-    require_int(slots, "lora_delta token_slots")
+            f"lora_shrink_concat: scaling must be float32, got {scaling}")
+    require(counters.dtype in (None, torch.int32),
+            f"lora_shrink_concat: counters must be int32, got {counters}")
+    slots_n = dim_of(a, 0)
     checks = [
         (dim_of(x, -1), dim_of(a, 2), "x in_features vs a_stack dim 2"),
-        (dim_of(a, 0), dim_of(b, 0), "a_stack slots vs b_stack slots"),
-        (dim_of(a, 1), dim_of(b, 2), "a_stack rank vs b_stack rank"),
-        (dim_of(a, 0), dim_of(scaling, 0), "a_stack slots vs scaling"),
+        (slots_n, dim_of(scaling, 0), "a_stack slots vs scaling"),
         (dim_of(x, 0), dim_of(slots, 0), "x tokens vs token_slots"),
+        (dim_of(x, 0), dim_of(order, 0), "x tokens vs token_order"),
+        (slots_n + 1 if isinstance(slots_n, int) else None, dim_of(seg_start, 0),
+         "a_stack slots + 1 vs seg_start"),
     ]
     for d1, d2, what in checks:
         require(not dims_conflict(d1, d2),
-                f"lora_delta: {what} differ ({d1} vs {d2}); inputs x {x}, a_stack {a}, "
-                f"b_stack {b}, scaling {scaling}, token_slots {slots}")
-    require((order is None) == (seg_start is None),
-            "lora_delta: pass token_order and seg_start together, or neither")
-    if order is not None:
-        require_rank(order, 1, "lora_delta token_order ([tokens])")
-        require_rank(seg_start, 1, "lora_delta seg_start ([slots + 1])")
-        require_int(order, "lora_delta token_order")
-        require_int(seg_start, "lora_delta seg_start")
-        require(not dims_conflict(dim_of(order, 0), dim_of(x, 0)),
-                f"lora_delta: token_order {order} must have one entry per token of x {x}")
-        slots_n = dim_of(a, 0)
-        if isinstance(slots_n, int):
-            require(not dims_conflict(dim_of(seg_start, 0), slots_n + 1),
-                    f"lora_delta: seg_start {seg_start} must have slots + 1 = {slots_n + 1} entries")
-    tokens = dim_of(x, 0)
-    n = dim_of(b, 1)
-    return Meta((tokens, n), x.dtype)
+                f"lora_shrink_concat: {what} differ ({d1} vs {d2}); inputs x {x}, a_stack {a}, "
+                f"scaling {scaling}, token_slots {slots}, token_order {order}, seg_start {seg_start}")
+    _check_layout(x, a, lead, width)
+    k = dim_of(x, -1)
+    if not isinstance(k, int):
+        k = dim_of(a, 2)
+    return Meta((dim_of(x, 0), k + width if isinstance(k, int) else None), x.dtype)
 
 
-def lora_delta_reference(x: torch.Tensor, a_stack: torch.Tensor, b_stack: torch.Tensor,
-                         scaling: torch.Tensor, token_slots: torch.Tensor,
-                         token_order: torch.Tensor | None = None,
-                         seg_start: torch.Tensor | None = None) -> torch.Tensor:
-    """The torch reference of ``lora_delta`` (fp32 accumulation, one GEMM pair per used slot).
+def lora_shrink_concat_reference(x: torch.Tensor, a_stack: torch.Tensor, scaling: torch.Tensor,
+                                 token_slots: torch.Tensor, token_order: torch.Tensor,
+                                 seg_start: torch.Tensor, counters: torch.Tensor, *, lead: int,
+                                 width: int) -> torch.Tensor:
+    """The torch reference of ``lora_shrink_concat``: ``x`` copied, then one masked, scaled fp32
+    shrink per used slot (see the module docstring).
 
     Args:
         x: ``[T, K]`` activations.
         a_stack: ``[L, R, K]`` stacked A matrices.
-        b_stack: ``[L, N, R]`` stacked B matrices.
         scaling: fp32 ``[L]`` per-slot scale.
         token_slots: int ``[T]`` adapter slot per token (0: none).
-        token_order, seg_start: optional grouping of the tokens by slot (token indices sorted
-            by slot, and where each slot's run starts), computed once per step by the caller
-            so kernels need not sort per linear; the reference does not need them.
+        token_order, seg_start, counters: the kernel's grouping and arrival counters; the
+            reference needs none of them.
+        lead: zero columns before slot 1's block.
+        width: columns after ``x``.
 
     Returns:
-        ``[T, N]`` in ``x``'s dtype.
+        ``[T, K + width]`` in ``x``'s dtype.
 
     Raises:
         ValueError: a slot is outside ``[0, L)``.
     """
-    num_slots = a_stack.shape[0]
-    out = torch.zeros(x.shape[0], b_stack.shape[1], dtype=torch.float32, device=x.device)
+    T, K = x.shape
+    num_slots, rank = a_stack.shape[:2]
+    out = torch.zeros(T, K + width, dtype=x.dtype, device=x.device)
+    out[:, :K] = x
     slots = token_slots.long()
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-        raise ValueError(f"lora_delta: token_slots must lie in [0, {num_slots}), got values in "
-                         f"[{int(slots.min())}, {int(slots.max())}]")
+        raise ValueError(f"lora_shrink_concat: token_slots must lie in [0, {num_slots}), got values "
+                         f"in [{int(slots.min())}, {int(slots.max())}]")
     for s in torch.unique(slots).tolist():
         if s == 0:
-            continue  # no adapter
+            continue  # no adapter: zeros
         rows = (slots == s).nonzero(as_tuple=True)[0]
-        shrunk = x[rows].float() @ a_stack[s].float().t()  # (rows, R)
-        out[rows] = (shrunk @ b_stack[s].float().t()) * scaling[s].float()
-    return out.to(x.dtype)
+        shrunk = (x[rows].float() @ a_stack[s].float().t()) * scaling[s].float()
+        first = K + lead + (s - 1) * rank
+        out[rows, first:first + rank] = shrunk.to(x.dtype)
+    return out
 
 
-register_op("lora_delta", infer=_lora_delta_infer, reference=lora_delta_reference,
-            category=OpCategory.LINALG,
-            doc="per-token multi-LoRA delta scaling[s] * x @ A[s].T @ B[s].T (slot 0: zero)")
+register_op("lora_shrink_concat", infer=_shrink_concat_infer,
+            reference=lora_shrink_concat_reference, category=OpCategory.LINALG,
+            doc="[x | scaling[s] * x @ A[s].T in slot s's column block, zeros elsewhere]: the "
+                "operand of a LoRA linear run as one GEMM on [W | B blocks]")

@@ -1,38 +1,48 @@
-"""Multi-LoRA shrink/expand kernels: every token of a batch may use a different adapter.
+"""Multi-LoRA shrink into a concatenated GEMM operand: every token of a batch may use a different
+adapter, and the base linear and the adapters run as one GEMM.
 
-A LoRA linear adds ``scaling[s] * (x @ A[s].T) @ B[s].T`` to the base output, ``s`` being the token's
-adapter slot. Adapters are stacked: ``lora_a [L, R, K]`` and ``lora_b [L, N, R]``, ``R`` the padded
-maximum rank (a smaller adapter has zero rows/columns). Slot 0 means "no adapter".
+A LoRA linear computes ``y[t] = x[t] @ W.T + scaling[s] * (x[t] @ A[s].T) @ B[s].T``, ``s`` being
+the token's adapter slot (slot 0: no adapter). Written on concatenated operands this is one GEMM::
 
-Grouping. Tokens are sorted by slot on the device (:func:`lora_segments`: a stable sort plus a
-``searchsorted`` for the segment starts, no host sync). The kernels then run over *tiles*: the
-tokens of slot ``s`` are cut into ``ceil(count_s / BLOCK_T)`` tiles, and program ``i`` finds its
-``(slot, first row)`` from a prefix sum over the slots' tile counts, computed in the kernel. So
-every program does dense work for one adapter and no program scans slots it does not serve. The
-number of tiles is at most ``T // BLOCK_T + min(L, T)``, which is the grid: it depends on shapes
-only, so the launches are CUDA-graph capturable; the programs past the last tile exit at once.
+    y = [x | xa] @ [W | B_1 | B_2 | ... | B_{L-1}].T
 
-Split K. At decode there are a handful of tiles (5 for 16 tokens of 4 adapters), so one program
-per tile would walk the whole K (2048..8192) alone: a serial chain of loads on an idle GPU. The
-shrink therefore also splits K over a second grid axis: program ``(tile, s)`` reduces the ``s``-th
-chunk of K and writes its fp32 partial sums to ``out[s]`` of a ``[splits, T, R]`` workspace (no
-atomics, so no zeroing and bit-identical results run to run). The expand sums the partials in a
-fixed order (split blocks in sequence, a ``tl.sum`` tree inside a block) when it loads them, so the
-pair stays two launches. :func:`lora_shrink_splits` picks ``splits`` from shapes and the SM count
-only; a ``[T, R]`` shrink output means one split (the whole K per program).
+where row ``t`` of ``xa`` holds ``scaling[s] * x[t] @ A[s].T`` in the column block of slot ``s``
+and exact zeros everywhere else. :func:`lora_shrink_concat` writes ``xcat = [x | xa]`` in one
+launch; the caller runs the GEMM on a weight whose B blocks sit beside ``W`` (see
+:mod:`tgraph.layers.lora_bank`). ``xcat`` may also carry ``lead`` zero columns before the slot
+blocks and zero padding after them (columns another feature's adapters own in the shared weight).
 
-The segments depend only on ``token_slots``: compute them once per batch with
-:func:`lora_segments` and pass them to every shrink/expand of the step. :func:`lora_shrink_expand`
-launches the pair; it is what the graph's ``lora_delta`` runs.
+Adapters are stacked: ``lora_a [L, R, K]`` (``R`` the padded maximum rank; a smaller adapter has
+zero rows). Slot ``s >= 1``'s block is ``xcat[:, K + lead + (s - 1) * R : K + lead + s * R]``.
 
-Tokens whose slot is outside ``[0, L)`` belong to no segment and are skipped (their rows of the
-shrink output and of ``y`` are left unwritten); checking the values would need a host sync.
+Grouping. Tokens are sorted by slot (:func:`lora_segments`, or the feature's per-step arrays). The
+kernel runs over *tiles*: the tokens of slot ``s`` are cut into ``ceil(count_s / BLOCK_T)`` tiles,
+and program ``i`` finds its ``(slot, first row)`` from a prefix sum over the slots' tile counts,
+computed in the kernel. The number of tiles is at most ``T // BLOCK_T + min(L, T)``, which is the
+grid: it depends on shapes only, so the launch is CUDA-graph capturable; programs past the last
+tile exit at once.
 
-NOTE (PDL): like the GEMV with its weights, both kernels read what no kernel of a step writes
-before waiting on the previous kernel: ``seg_start``, ``order`` and the adapter stacks (the shrink
-its first A tile, the expand its B tile), so those loads overlap the previous kernel's tail. The
-engine passes segments as inputs and :func:`lora_segments` computes them with torch ops (never
-PDL-launched), so the previous kernel cannot be writing them.
+Split K, reduced in the same launch. At decode there are a handful of tiles (4 for 16 tokens of 4
+adapters), so one program per tile would walk the whole K alone on an idle GPU. A second grid axis
+splits K: program ``(tile, split)`` copies its chunk of ``x`` into ``xcat`` and multiplies it by
+its chunk of ``A``. With more than one split, each program writes its fp32 partial to a workspace
+and then takes a ticket from the tile's arrival counter (an ``acq_rel`` atomic add). The program
+that arrives last sums the tile's partials in a fixed order (split blocks in sequence, a
+``tl.sum`` tree inside a block), scales, rounds and writes the slot block, then resets the counter
+to 0. No float atomics: the result is bit-identical run to run, whichever program arrives last.
+
+The counters are a persistent, zero-initialised int32 buffer (:func:`new_lora_counters`) that
+every launch leaves zeroed, so launches in sequence and CUDA-graph replays reuse it; one launch
+needs one counter per tile of its grid. When the grid has more tiles than counters (prefill of
+thousands of tokens, where tiles fill the GPU anyway) the launch runs one split and needs none.
+
+Tokens whose slot is outside ``[0, L)`` belong to no tile: their rows of ``xcat`` are left
+unwritten (checking the values would need a host sync). Callers pass valid slots.
+
+NOTE (PDL): before the PDL wait the kernel reads only the segments, the token order and its first
+``A`` tile, which no kernel of a step writes (the engine passes segments as inputs, and
+:func:`lora_segments` computes them with torch ops, never PDL-launched). ``x``, ``xcat``, the
+workspace, the counters and ``scaling`` are touched after the wait.
 """
 from __future__ import annotations
 
@@ -44,22 +54,32 @@ import triton.language as tl
 
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
-__all__ = ["lora_segments", "lora_shrink", "lora_shrink_splits", "lora_expand", "lora_shrink_expand"]
+__all__ = ["LORA_COUNTERS", "lora_concat_splits", "lora_segments", "lora_shrink_concat",
+           "new_lora_counters"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
+# Arrival counters a feature allocates, one per tile of a split launch. The heuristic splits K
+# only for grids of fewer tiles than 2 programs per SM (264 on an H100), far below this.
+LORA_COUNTERS = 1024
 # SM count assumed when not running on CUDA (H100 SXM / H200 have 132 SMs).
 _DEFAULT_SM_COUNT = 132
-# Split-K aims at this many shrink programs per SM (as the GEMV does): a few resident programs per
-# SM keep enough loads in flight to cover HBM latency.
+# Split-K aims at this many programs per SM: a few resident programs per SM keep enough loads in
+# flight to cover HBM latency.
 _PROGRAMS_PER_SM = 2
 _MAX_SPLITS = 32
-# Bound on the partials one expand program sums (splits * BLOCK_T * BLOCK_R fp32 elements): every
-# expand program over N re-reads them from L2, so more splits trade shrink latency for expand reads.
+# K blocks per split, at least: measured on an H100 at decode (16 tokens, 5 slots, bf16), two
+# 128-wide blocks per split ran 10-35% faster than one (K 2048, ranks 16..48): the loads of a
+# program overlap, and the last program of a tile sums half as many partials.
+_MIN_BLOCKS_PER_SPLIT = 2
+# Bound on the partials the last program of a tile sums (splits * BLOCK_T * BLOCK_R fp32
+# elements, 64 KB): that sum is the serial tail of the launch.
 _MAX_PARTIALS = 16384
-# Partials the expand loads at once ([SPLIT_BLOCK, BLOCK_T, BLOCK_R] fp32, 64 registers a thread
-# at 4 warps): enough loads in flight without spilling.
+# Partials loaded at once ([SPLIT_BLOCK, BLOCK_T, BLOCK_R] fp32, 64 registers a thread at 4
+# warps): enough loads in flight for the tail's L2 reads.
 _SPLIT_LOAD_ELEMS = 8192
+# Width of the column chunks of zeros written beside the slot block.
+_BLOCK_C = 64
 
 
 @triton.jit
@@ -85,112 +105,112 @@ def _tile_of_program(seg_ptr, pid, L, BLOCK_T: tl.constexpr, BLOCK_L: tl.constex
 
 
 @triton.jit
-def _lora_shrink_kernel(
-    x_ptr, a_ptr, order_ptr, seg_ptr, scale_ptr, out_ptr,
-    K, R, L, k_per_split,
-    stride_xt, stride_al, stride_ar, stride_os, stride_ot,
-    HAS_SCALE: tl.constexpr, F32_DOT: tl.constexpr,
+def _write_lora_columns(lora_rows, mask_t, vals, slot, R, lead, width,
+                        BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Write a tile's LoRA columns: ``vals`` (fp32, already scaled) in slot ``slot``'s block,
+    zeros in every other column of ``[0, width)`` (slot 0: zeros only)."""
+    own_lo = tl.where(slot > 0, lead + (slot - 1) * R, width)
+    own_hi = tl.where(slot > 0, own_lo + R, width)
+    dtype = lora_rows.dtype.element_ty
+    for c0 in range(0, width, BLOCK_C):
+        cols = c0 + tl.arange(0, BLOCK_C)
+        keep = (cols < width) & ((cols < own_lo) | (cols >= own_hi))
+        tl.store(lora_rows + cols[None, :], tl.zeros((BLOCK_T, BLOCK_C), dtype=dtype),
+                 mask=mask_t[:, None] & keep[None, :])
+    offs_r = tl.arange(0, BLOCK_R)
+    # A bound, not a scalar & block mask (the interpreter rejects those); slot 0 writes nothing.
+    mask_r = offs_r < own_hi - own_lo
+    tl.store(lora_rows + own_lo + offs_r[None, :], vals.to(dtype), mask=mask_t[:, None] & mask_r[None, :])
+
+
+@triton.jit
+def _sum_partials(part_tile, mask_t, mask_r, splits,
+                  BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, SPLIT_BLOCK: tl.constexpr):
+    """Sum a tile's ``[splits, BLOCK_T, BLOCK_R]`` partials in a fixed order."""
+    offs_s = tl.arange(0, SPLIT_BLOCK)
+    tile_offs = tl.arange(0, BLOCK_T)[:, None] * BLOCK_R + tl.arange(0, BLOCK_R)[None, :]
+    mask_tr = mask_t[:, None] & mask_r[None, :]
+    total = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+    for s0 in range(0, splits, SPLIT_BLOCK):
+        split = s0 + offs_s
+        ptrs = part_tile + split[:, None, None] * (BLOCK_T * BLOCK_R) + tile_offs[None, :, :]
+        mask = (split < splits)[:, None, None] & mask_tr[None, :, :]
+        # .cg: the other programs' partials are in L2; never read a stale L1 line.
+        part = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+        total += tl.sum(part, axis=0)
+    return total
+
+
+@triton.jit
+def _shrink_concat_kernel(
+    x_ptr, a_ptr, scale_ptr, order_ptr, seg_ptr, out_ptr, part_ptr, count_ptr,
+    K, R, L, lead, width, k_per_split, splits,
+    stride_xt, stride_al, stride_ar, stride_ot,
+    SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
-    PDL: tl.constexpr,
+    BLOCK_C: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
-    # Before the PDL wait: segments, token order and adapter weights (see the module NOTE).
+    # Before the PDL wait: segments, token order and the first A tile (see the module NOTE).
     slot, row0, row_end = _tile_of_program(seg_ptr, pid, L, BLOCK_T, BLOCK_L)
     offs_t = row0 + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < row_end
-    # A program without a tile has row_end 0, so mask_t is all false.
+    mask_t = offs_t < row_end  # all false for a program without a tile (row_end 0)
     tok = tl.load(order_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+    adapted = (slot > 0) & (slot < L)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar
-    # No A rows for slot 0 or no tile (a bound, not a scalar & block mask: the interpreter
-    # rejects those).
-    mask_a = offs_r < tl.where((slot > 0) & (slot < L), R, 0)
+    # No A rows for slot 0 or no tile (a bound: see _write_lora_columns).
+    mask_a = offs_r < tl.where(adapted, R, 0)
     offs_k = k_start + tl.arange(0, BLOCK_K)
     av = tl.load(a_rows + offs_k[None, :], mask=mask_a[:, None] & (offs_k < k_end)[None, :], other=0.0)
     pdl_wait(PDL)
     if slot < L:
-        out_ptrs = out_ptr + pid_s * stride_os + tok[:, None] * stride_ot + offs_r[None, :]
-        mask_out = mask_t[:, None] & mask_r[None, :]
+        x_rows = x_ptr + tok[:, None] * stride_xt
+        out_rows = out_ptr + tok[:, None] * stride_ot
+        acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
+        # This program's chunk of x goes into xcat as it streams through the dot. A split past the
+        # end of K runs no iteration (its partial is zero).
+        for k0 in range(k_start, k_end, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_tk = mask_t[:, None] & (offs_k < k_end)[None, :]
+            xv = tl.load(x_rows + offs_k[None, :], mask=mask_tk, other=0.0)
+            tl.store(out_rows + offs_k[None, :], xv.to(out_ptr.dtype.element_ty), mask=mask_tk)
+            # Slot 0 multiplies zeros (its A mask is empty): no loads, and no branch in the loop.
+            if F32_DOT:
+                acc += tl.dot(xv.to(tl.float32), tl.trans(av.to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(xv, tl.trans(av))
+            # Next A tile (one ahead: the first came before the wait).
+            offs_k += BLOCK_K
+            av = tl.load(a_rows + offs_k[None, :], mask=mask_a[:, None] & (offs_k < k_end)[None, :],
+                         other=0.0)
+        lora_rows = out_rows + K
         if slot == 0:
-            # No adapter: zeros, no reads.
-            tl.store(out_ptrs, tl.zeros((BLOCK_T, BLOCK_R), dtype=out_ptr.dtype.element_ty), mask=mask_out)
+            # No adapter: zeros in every LoRA column, written once per tile.
+            if pid_s == 0:
+                _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width, BLOCK_T, BLOCK_R, BLOCK_C)
+        elif SPLIT:
+            part_tile = part_ptr + pid.to(tl.int64) * splits * (BLOCK_T * BLOCK_R)
+            part_offs = tl.arange(0, BLOCK_T)[:, None] * BLOCK_R + offs_r[None, :]
+            tl.store(part_tile + pid_s * (BLOCK_T * BLOCK_R) + part_offs, acc,
+                     mask=mask_t[:, None] & mask_r[None, :])
+            # Every thread's partial is stored before the ticket is taken; the release orders them
+            # before the increment, the last program's acquire after it.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if ticket == splits - 1:
+                total = _sum_partials(part_tile, mask_t, mask_r, splits, BLOCK_T, BLOCK_R, SPLIT_BLOCK)
+                total *= tl.load(scale_ptr + slot).to(tl.float32)
+                _write_lora_columns(lora_rows, mask_t, total, slot, R, lead, width, BLOCK_T, BLOCK_R, BLOCK_C)
+                # Self-cleaning: the next launch (or graph replay) finds the counter at zero.
+                tl.store(count_ptr + pid, 0)
         else:
-            x_rows = x_ptr + tok[:, None] * stride_xt
-            acc = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-            # A split past the end of K runs no iteration and writes zeros.
-            for k0 in range(k_start, k_end, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < k_end
-                xv = tl.load(x_rows + offs_k[None, :], mask=mask_t[:, None] & mask_k[None, :], other=0.0)
-                if F32_DOT:
-                    acc += tl.dot(xv.to(tl.float32), tl.trans(av.to(tl.float32)), input_precision="ieee")
-                else:
-                    acc += tl.dot(xv, tl.trans(av))
-                # Next A tile (one ahead: the first came before the wait).
-                offs_k += BLOCK_K
-                av = tl.load(a_rows + offs_k[None, :], mask=mask_r[:, None] & (offs_k < k_end)[None, :],
-                             other=0.0)
-            if HAS_SCALE:
-                acc *= tl.load(scale_ptr + slot).to(tl.float32)
-            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask_out)
-
-
-@triton.jit
-def _lora_expand_kernel(
-    t_ptr, b_ptr, order_ptr, seg_ptr, scale_ptr, y_ptr,
-    N, R, L, col_off, splits,
-    stride_ts, stride_tt, stride_bl, stride_bn, stride_yt,
-    F32_DOT: tl.constexpr, OVERWRITE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
-    SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    # Before the PDL wait: segments, token order and this program's B tile (see the module NOTE).
-    slot, row0, row_end = _tile_of_program(seg_ptr, pid, L, BLOCK_T, BLOCK_L)
-    offs_t = row0 + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < row_end
-    tok = tl.load(order_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)  # all false: no tile
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    offs_r = tl.arange(0, BLOCK_R)
-    mask_r = offs_r < R
-    adapted = (slot > 0) & (slot < L)
-    mask_b = offs_n < tl.where(adapted, N, 0)  # no B rows for slot 0 or no tile
-    bv = tl.load(b_ptr + slot.to(tl.int64) * stride_bl + offs_n[:, None] * stride_bn + offs_r[None, :],
-                 mask=mask_b[:, None] & mask_r[None, :], other=0.0)
-    pdl_wait(PDL)
-    y_ptrs = y_ptr + tok[:, None] * stride_yt + col_off + offs_n[None, :]
-    mask_y = mask_t[:, None] & mask_n[None, :]
-    if OVERWRITE & (slot == 0):
-        # No adapter: the delta of these rows is zero.
-        tl.store(y_ptrs, tl.zeros((BLOCK_T, BLOCK_N), dtype=y_ptr.dtype.element_ty), mask=mask_y)
-    # Without OVERWRITE, slot 0 tokens keep y as it is: nothing to do.
-    if adapted:
-        # t = sum of the shrink's partials over its K splits, in a fixed order.
-        offs_s = tl.arange(0, SPLIT_BLOCK)
-        t_tok = t_ptr + tok[None, :, None] * stride_tt + offs_r[None, None, :]
-        mask_tr = mask_t[None, :, None] & mask_r[None, None, :]
-        tv = tl.zeros((BLOCK_T, BLOCK_R), dtype=tl.float32)
-        for s0 in range(0, splits, SPLIT_BLOCK):
-            split = s0 + offs_s
-            part = tl.load(t_tok + split[:, None, None] * stride_ts,
-                           mask=(split < splits)[:, None, None] & mask_tr, other=0.0)
-            tv += tl.sum(part.to(tl.float32), axis=0)
-        if F32_DOT:
-            acc = tl.dot(tv, tl.trans(bv.to(tl.float32)), input_precision="ieee")
-        else:
-            # NOTE: the fp32 shrink output is rounded to the adapter dtype for the tensor-core dot
-            # (as punica/vLLM do); the rounding is within the dtype's tolerance.
-            acc = tl.dot(tv.to(bv.dtype), tl.trans(bv))
-        acc *= tl.load(scale_ptr + slot).to(tl.float32)
-        if not OVERWRITE:
-            acc += tl.load(y_ptrs, mask=mask_y, other=0.0).to(tl.float32)
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_y)
+            acc *= tl.load(scale_ptr + slot).to(tl.float32)
+            _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width, BLOCK_T, BLOCK_R, BLOCK_C)
 
 
 def lora_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,7 +226,8 @@ def lora_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tens
         ``[L + 1]``.
     """
     if not isinstance(token_slots, torch.Tensor) or token_slots.dim() != 1:
-        raise ValueError(f"lora_segments: token_slots must be a 1-D tensor, got {getattr(token_slots, 'shape', token_slots)!r}")
+        raise ValueError(f"lora_segments: token_slots must be a 1-D tensor, got "
+                         f"{getattr(token_slots, 'shape', token_slots)!r}")
     _check_slots(token_slots, token_slots.shape[0], token_slots.device)
     sorted_slots, order = torch.sort(token_slots, stable=True)
     bounds = torch.arange(num_slots + 1, device=token_slots.device, dtype=token_slots.dtype)
@@ -214,36 +235,27 @@ def lora_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tens
     return order, seg_start
 
 
+def new_lora_counters(device: torch.device | str) -> torch.Tensor:
+    """A zeroed int32 ``[LORA_COUNTERS]`` buffer of arrival counters for :func:`lora_shrink_concat`.
+
+    Allocate it once and keep it (every launch leaves it zeroed); it must not share memory with
+    anything else, e.g. an engine's reused arena.
+    """
+    return torch.zeros(LORA_COUNTERS, dtype=torch.int32, device=device)
+
+
 # ---- argument checks -----------------------------------------------------------------------------
-def _check_tensor(fn: str, name: str, t: torch.Tensor, dims: int | tuple[int, ...],
-                  device: torch.device | None) -> None:
+def _check_tensor(fn: str, name: str, t: torch.Tensor, dims: int, device: torch.device | None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-    allowed = (dims,) if isinstance(dims, int) else dims
-    if t.dim() not in allowed:
-        want = " or ".join(f"{d}-D" for d in allowed)
-        raise ValueError(f"{fn}: {name} must be {want}, got shape {list(t.shape)}")
+    if t.dim() != dims:
+        raise ValueError(f"{fn}: {name} must be {dims}-D, got shape {list(t.shape)}")
     if t.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"{fn}: {name} must be float16, bfloat16 or float32, got {t.dtype}")
     if device is not None and t.device != device:
         raise ValueError(f"{fn}: {name} is on {t.device}, expected {device}")
     if t.numel() > 0 and t.stride(-1) != 1:
         raise ValueError(f"{fn}: {name} must have a contiguous last dim, got strides {t.stride()}")
-
-
-def _check_stack(fn: str, lhs_name: str, lhs: torch.Tensor, stack_name: str, stack: torch.Tensor,
-                 layout: str) -> tuple[int, int, int]:
-    """Check ``lhs [..., T, D]`` against ``stack [L, X, D]`` (``layout`` names the dims).
-
-    Returns:
-        ``(L, X, D)``.
-    """
-    _check_tensor(fn, stack_name, stack, 3, lhs.device)
-    L, X, D = stack.shape
-    if D != lhs.shape[-1]:
-        raise ValueError(f"{fn}: {stack_name} must be {layout} with last dim {lhs.shape[-1]} to match "
-                         f"{lhs_name} {list(lhs.shape)}, got {list(stack.shape)}")
-    return L, X, D
 
 
 def _check_slots(token_slots: torch.Tensor, T: int, device: torch.device) -> None:
@@ -270,14 +282,18 @@ def _check_scaling(fn: str, scaling: torch.Tensor, L: int, device: torch.device)
         raise TypeError(f"{fn}: scaling must be a float32 tensor [{L}], got "
                         f"{getattr(scaling, 'dtype', type(scaling).__name__)}")
     if tuple(scaling.shape) != (L,) or scaling.device != device:
-        raise ValueError(f"{fn}: scaling must have shape [{L}] on {device}, got {list(scaling.shape)} on {scaling.device}")
+        raise ValueError(f"{fn}: scaling must have shape [{L}] on {device}, got {list(scaling.shape)} "
+                         f"on {scaling.device}")
 
 
-def _check_partials(fn: str, name: str, t: torch.Tensor) -> None:
-    if t.dim() == 3 and t.dtype != torch.float32:
-        raise TypeError(f"{fn}: a 3-D {name} holds split-K partial sums and must be float32, got {t.dtype}")
-    if t.dim() == 3 and t.shape[0] < 1:
-        raise ValueError(f"{fn}: a 3-D {name} [splits, T, R] needs splits >= 1, got {list(t.shape)}")
+def _check_counters(fn: str, counters: torch.Tensor, device: torch.device) -> None:
+    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1:
+        raise TypeError(f"{fn}: counters must be a 1-D int32 tensor (new_lora_counters), got "
+                        f"{getattr(counters, 'dtype', type(counters).__name__)}"
+                        f"{list(getattr(counters, 'shape', []))}")
+    if counters.device != device or (counters.numel() > 1 and counters.stride(0) != 1):
+        raise ValueError(f"{fn}: counters must be contiguous on {device}, got {counters.device} "
+                         f"strides {counters.stride()}")
 
 
 # ---- launch configuration ------------------------------------------------------------------------
@@ -295,8 +311,12 @@ def _block_t(T: int) -> int:
     return 16 if T <= 128 else 64
 
 
-def _shrink_block_k(T: int, K: int) -> int:
+def _block_k(T: int, K: int) -> int:
     return max(16, min(128 if _block_t(T) == 16 else 64, triton.next_power_of_2(K)))
+
+
+def _num_warps(block_t: int, block_r: int) -> int:
+    return 8 if block_t * block_r >= 64 * 128 else 4
 
 
 def _block_r(R: int) -> int:
@@ -308,6 +328,10 @@ def _tile_grid(T: int, L: int, block_t: int) -> int:
     return T // block_t + min(L, T)
 
 
+def _split_block(splits: int, block_t: int, block_r: int) -> int:
+    return min(triton.next_power_of_2(splits), max(1, _SPLIT_LOAD_ELEMS // (block_t * block_r)))
+
+
 def _sm_count(device: torch.device | str | None) -> int:
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda":
@@ -316,237 +340,134 @@ def _sm_count(device: torch.device | str | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def lora_shrink_splits(num_tokens: int, in_features: int, rank: int, num_slots: int,
-                       device: torch.device | str | None = None) -> int:
-    """How many K chunks the shrink of these shapes should run (the ``splits`` of its workspace).
+def lora_concat_splits(num_tokens: int, in_features: int, rank: int, num_slots: int,
+                       device: torch.device | str | None = None, max_tiles: int = LORA_COUNTERS) -> int:
+    """How many K chunks :func:`lora_shrink_concat` of these shapes runs.
 
     Depends on shapes and the SM count only (132 when ``device`` is not CUDA), so a captured
-    decode graph keeps it. The shrink grid (``tiles * splits``) aims at 2 programs per SM,
-    bounded by the number of ``BLOCK_K`` blocks of K (every split gets the same whole number of
-    blocks but the last), by 32, and by the partials an expand program sums (``splits * BLOCK_T *
-    BLOCK_R <= 16384``). E.g. 16 tokens, 5 slots (6 tiles): K 2048 gives 16 splits (rank 16..64),
-    K 8192 gives 32 (rank <= 32) or 16 (rank 48..64): 96..192 programs.
+    decode graph keeps it. The grid (``tiles * splits``) aims at 2 programs per SM, bounded by
+    half the number of ``BLOCK_K`` blocks of K (every split gets the same whole number of blocks,
+    at least two, but the last), by 32, and by the partials the last program of a tile sums
+    (``splits * BLOCK_T * BLOCK_R <= 16384``). A grid of more than ``max_tiles`` tiles (the
+    arrival counters) runs one split. E.g. 16 tokens, 5 slots (6 tiles): K 2048 gives 8 splits,
+    K 8192 gives 32 (rank <= 32) or 16 (rank 48..64): 48..192 programs.
 
     Args:
         num_tokens: ``T``.
         in_features: ``K``.
         rank: ``R``, the padded rank of the stack.
         num_slots: ``L``, stacked slots (slot 0 included).
-        device: where the kernels run.
+        device: where the kernel runs.
+        max_tiles: the arrival counters available.
 
     Returns:
         ``splits >= 1`` (1 when there is nothing to split).
     """
     for name, v in (("num_tokens", num_tokens), ("in_features", in_features), ("rank", rank),
-                    ("num_slots", num_slots)):
+                    ("num_slots", num_slots), ("max_tiles", max_tiles)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"lora_shrink_splits: {name} must be a non-negative int, got {v!r}")
+            raise ValueError(f"lora_concat_splits: {name} must be a non-negative int, got {v!r}")
     if min(num_tokens, in_features, rank, num_slots) == 0:
         return 1
     block_t = _block_t(num_tokens)
-    k_blocks = triton.cdiv(in_features, _shrink_block_k(num_tokens, in_features))
     tiles = _tile_grid(num_tokens, num_slots, block_t)
+    if tiles > max_tiles:
+        return 1
+    k_blocks = triton.cdiv(in_features, _block_k(num_tokens, in_features))
     partial_cap = max(1, _MAX_PARTIALS // (block_t * _block_r(rank)))
-    want = min(triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), tiles), k_blocks, _MAX_SPLITS, partial_cap)
+    want = min(triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), tiles),
+               max(1, k_blocks // _MIN_BLOCKS_PER_SPLIT), _MAX_SPLITS, partial_cap)
     # Even distribution: no split gets a short or empty range of K blocks.
     per_split = triton.cdiv(k_blocks, want)
     return triton.cdiv(k_blocks, per_split)
 
 
-def _split_block(splits: int, block_t: int, block_r: int) -> int:
-    return min(triton.next_power_of_2(splits), max(1, _SPLIT_LOAD_ELEMS // (block_t * block_r)))
-
-
-# ---- launches ------------------------------------------------------------------------------------
-def lora_shrink(
+# ---- launch --------------------------------------------------------------------------------------
+def lora_shrink_concat(
     x: torch.Tensor,
     lora_a: torch.Tensor,
+    scaling: torch.Tensor,
     token_slots: torch.Tensor,
     out: torch.Tensor,
-    scaling: torch.Tensor | None = None,
+    counters: torch.Tensor,
+    *,
+    lead: int = 0,
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
+    splits: int | None = None,
+    config: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """``out[t] = scaling[s] * x[t] @ lora_a[s].T`` with ``s = token_slots[t]``; zeros for slot 0.
+    """``out = [x | xa]``: ``x`` copied, then every token's scaled shrink in its slot's block.
 
-    With a 3-D ``out [splits, T, R]`` K is split in ``splits`` chunks of whole ``BLOCK_K`` blocks
-    (``ceil(ceil(K / BLOCK_K) / splits)`` blocks each, a chunk past K is all zeros) and ``out[s]``
-    gets chunk ``s``'s partial product: the result is ``out.sum(0)``, which :func:`lora_expand`
-    computes as it loads it. :func:`lora_shrink_splits` gives the split count for the shapes.
+    ``out[t, :K] = x[t]``; for ``s = token_slots[t] >= 1``, ``out[t, K + lead + (s-1)*R :][:R] =
+    scaling[s] * x[t] @ lora_a[s].T`` (fp32 accumulation, rounded once); every other column of
+    ``out[t, K:]`` is zero. One launch (see the module docstring for the split-K reduction).
 
     Args:
         x: ``[T, K]`` activations (fp16/bf16/fp32); rows may be strided.
-        lora_a: ``[L, R, K]`` stacked adapters, same dtype as ``x``; ``R`` is the padded rank.
-        token_slots: int32 ``[T]`` adapter slot per token (0: no adapter).
-        out: ``[T, R]`` (fp32 or ``x``'s dtype), or fp32 ``[splits, T, R]`` partial sums; every
-            row of a token with a valid slot is written (in every split).
-        scaling: optional fp32 ``[L]`` applied here (usually it is applied in :func:`lora_expand`).
+        lora_a: ``[L, R, K]`` stacked adapters in ``x``'s dtype; ``R`` is the padded rank.
+        scaling: fp32 ``[L]`` per-slot scale.
+        token_slots: int32/int64 ``[T]`` adapter slot per token (0: no adapter).
+        out: ``[T, K + width]`` in ``x``'s dtype with a unit column stride, ``width >= lead +
+            (L - 1) * R``.
+        counters: int32 arrival counters, all zero (:func:`new_lora_counters`); left zeroed.
+        lead: zero columns between ``x`` and slot 1's block.
         segments: ``lora_segments(token_slots, L)``, computed here when omitted.
+        splits: force the number of K chunks (>= 1; more than the counters allow is refused);
+            default :func:`lora_concat_splits`.
+        config: ``(BLOCK_K, num_warps)`` instead of the heuristic (for tuning).
 
     Returns:
         ``out``.
     """
-    fn = "lora_shrink"
+    fn = "lora_shrink_concat"
     _check_tensor(fn, "x", x, 2, None)
     T, K = x.shape
     device = x.device
-    L, R, _ = _check_stack(fn, "x", x, "lora_a", lora_a, "[L, R, K]")
+    _check_tensor(fn, "lora_a", lora_a, 3, device)
+    L, R, K_a = lora_a.shape
+    if K_a != K:
+        raise ValueError(f"{fn}: lora_a must be [L, R, {K}] to match x {list(x.shape)}, got {list(lora_a.shape)}")
     if lora_a.dtype != x.dtype:
         raise TypeError(f"{fn}: lora_a dtype {lora_a.dtype} must match x dtype {x.dtype}")
-    _check_tensor(fn, "out", out, (2, 3), device)
-    _check_partials(fn, "out", out)
-    if tuple(out.shape[-2:]) != (T, R):
-        raise ValueError(f"{fn}: out must have shape [{T}, {R}] or [splits, {T}, {R}], got {list(out.shape)}")
-    if out.dtype not in (torch.float32, x.dtype):
-        raise TypeError(f"{fn}: out must be float32 or {x.dtype}, got {out.dtype}")
+    _check_tensor(fn, "out", out, 2, device)
+    if out.dtype != x.dtype:
+        raise TypeError(f"{fn}: out must be {x.dtype} (x's dtype), got {out.dtype}")
+    if not isinstance(lead, int) or lead < 0:
+        raise ValueError(f"{fn}: lead must be a non-negative int, got {lead!r}")
+    need = K + lead + max(L - 1, 0) * R
+    if out.shape[0] != T or out.shape[1] < need:
+        raise ValueError(f"{fn}: out must be [{T}, >= {need}] (K {K} + lead {lead} + (L - 1) * R "
+                         f"{max(L - 1, 0) * R}), got {list(out.shape)}")
+    _check_scaling(fn, scaling, L, device)
     _check_slots(token_slots, T, device)
-    if scaling is not None:
-        _check_scaling(fn, scaling, L, device)
-    if T == 0 or L == 0 or R == 0:
+    _check_counters(fn, counters, device)
+    if splits is not None and (not isinstance(splits, int) or splits < 1):
+        raise ValueError(f"{fn}: splits must be a positive int, got {splits!r}")
+    if T == 0 or L == 0:
         return out
-    order, seg_start = lora_segments(token_slots, L) if segments is None else segments
-    _check_segments((order, seg_start), T, L, device)
+    segments = lora_segments(token_slots, L) if segments is None else segments
+    _check_segments(segments, T, L, device)
+    order, seg_start = segments
 
-    splits, stride_os = (out.shape[0], out.stride(0)) if out.dim() == 3 else (1, 0)
-    block_t = _block_t(T)
-    block_k = _shrink_block_k(T, K)
+    block_t, block_r = _block_t(T), _block_r(R)
+    block_k, num_warps = config or (_block_k(T, K), _num_warps(block_t, block_r))
+    tiles = _tile_grid(T, L, block_t)
+    if splits is None:
+        splits = lora_concat_splits(T, K, R, L, device, counters.numel())
+    elif splits > 1 and tiles > counters.numel():
+        raise ValueError(f"{fn}: {splits} splits need one counter per tile ({tiles}), got "
+                         f"{counters.numel()} counters")
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
-    _lora_shrink_kernel[(_tile_grid(T, L, block_t), splits)](
-        x, lora_a, order, seg_start, scaling if scaling is not None else out, out,
-        K, R, L, k_per_split,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), stride_os, out.stride(-2),
-        HAS_SCALE=scaling is not None, F32_DOT=_use_f32_dot(x.dtype),
-        BLOCK_T=block_t, BLOCK_R=_block_r(R), BLOCK_K=block_k, BLOCK_L=triton.next_power_of_2(L),
-        num_warps=4, **pdl_kwargs(x),
+    partials = out
+    if splits > 1:
+        partials = torch.empty(tiles * splits * block_t * block_r, dtype=torch.float32, device=device)
+    _shrink_concat_kernel[(tiles, splits)](
+        x, lora_a, scaling, order, seg_start, out, partials, counters,
+        K, R, L, lead, out.shape[1] - K, k_per_split, splits,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        SPLIT=splits > 1, F32_DOT=_use_f32_dot(x.dtype),
+        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=triton.next_power_of_2(L),
+        BLOCK_C=_BLOCK_C, SPLIT_BLOCK=_split_block(splits, block_t, block_r),
+        num_warps=num_warps, **pdl_kwargs(x),
     )
     return out
-
-
-def lora_expand(
-    t: torch.Tensor,
-    lora_b: torch.Tensor,
-    token_slots: torch.Tensor,
-    y: torch.Tensor,
-    scaling: torch.Tensor,
-    column_offset: int = 0,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
-    overwrite: bool = False,
-) -> torch.Tensor:
-    """``y[t, off:off+N] += scaling[s] * (t[t] @ lora_b[s].T)``, ``s = token_slots[t]``, slot 0 skipped.
-
-    Packed projections (q/k/v, gate/up) call this once per part with that part's adapters and
-    ``column_offset``; ``y`` may also be a column-strided view.
-
-    Args:
-        t: ``[T, R]`` shrink output (fp32 or the adapter dtype), or the fp32 ``[splits, T, R]``
-            partial sums of a split shrink, summed here over the splits in a fixed order.
-        lora_b: ``[L, N, R]`` stacked adapters (fp16/bf16/fp32).
-        token_slots: int32 ``[T]`` adapter slot per token (0: no adapter).
-        y: ``[T, N_total]`` updated in place (any supported dtype), ``N_total >= column_offset + N``.
-        scaling: fp32 ``[L]`` per-slot scale (``alpha / rank``).
-        column_offset: first column of ``y`` this adapter writes.
-        segments: ``lora_segments(token_slots, L)``, computed here when omitted.
-        overwrite: write the delta instead of adding it (slot-0 rows get zeros), so ``y``
-            needs no zeroing beforehand.
-
-    Returns:
-        ``y``.
-    """
-    fn = "lora_expand"
-    _check_tensor(fn, "t", t, (2, 3), None)
-    _check_partials(fn, "t", t)
-    T, R = t.shape[-2:]
-    device = t.device
-    L, N, _ = _check_stack(fn, "t", t, "lora_b", lora_b, "[L, N, R]")
-    if t.dtype not in (torch.float32, lora_b.dtype):
-        raise TypeError(f"{fn}: t must be float32 or {lora_b.dtype} (lora_b's dtype), got {t.dtype}")
-    _check_tensor(fn, "y", y, 2, device)
-    if not isinstance(column_offset, int) or column_offset < 0:
-        raise ValueError(f"{fn}: column_offset must be a non-negative int, got {column_offset!r}")
-    if y.shape[0] != T or y.shape[1] < column_offset + N:
-        raise ValueError(f"{fn}: y must be [{T}, >= {column_offset + N}] (column_offset {column_offset} + N {N}), "
-                         f"got {list(y.shape)}")
-    _check_slots(token_slots, T, device)
-    _check_scaling(fn, scaling, L, device)
-    if T == 0 or L == 0 or N == 0 or R == 0:
-        return y
-    order, seg_start = lora_segments(token_slots, L) if segments is None else segments
-    _check_segments((order, seg_start), T, L, device)
-
-    splits, stride_ts = (t.shape[0], t.stride(0)) if t.dim() == 3 else (1, 0)
-    block_t = _block_t(T)
-    block_n = 64 if block_t == 16 else 128
-    # 8 warps for the 64x128 tile: with 4 its fp32 accumulator and y tile exceed 255 registers.
-    num_warps = 4 if block_t == 16 else 8
-    block_r = _block_r(R)
-    _lora_expand_kernel[(_tile_grid(T, L, block_t), triton.cdiv(N, block_n))](
-        t, lora_b, order, seg_start, scaling, y,
-        N, R, L, column_offset, splits,
-        stride_ts, t.stride(-2), lora_b.stride(0), lora_b.stride(1), y.stride(0),
-        F32_DOT=_use_f32_dot(lora_b.dtype), OVERWRITE=bool(overwrite),
-        BLOCK_T=block_t, BLOCK_N=block_n, BLOCK_R=block_r, BLOCK_L=triton.next_power_of_2(L),
-        SPLIT_BLOCK=_split_block(splits, block_t, block_r),
-        num_warps=num_warps, **pdl_kwargs(y),
-    )
-    return y
-
-
-def lora_shrink_expand(
-    x: torch.Tensor,
-    lora_a: torch.Tensor,
-    lora_b: torch.Tensor,
-    scaling: torch.Tensor,
-    token_slots: torch.Tensor,
-    y: torch.Tensor,
-    *,
-    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
-    column_offset: int = 0,
-    overwrite: bool = False,
-    workspace: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The LoRA delta of one linear in two launches: ``y[:, off:off+N] (+)= scaling[s] * (x @
-    lora_a[s].T) @ lora_b[s].T`` with ``s = token_slots[t]`` (slot 0: no delta).
-
-    The shrink splits K (:func:`lora_shrink_splits`) into an fp32 ``[splits, T, R]`` workspace
-    that the expand reduces; the grids depend on shapes only, so the pair is CUDA-graph capturable.
-
-    Args:
-        x: ``[T, K]`` activations (fp16/bf16/fp32); rows may be strided.
-        lora_a: ``[L, R, K]`` stacked A, ``x``'s dtype.
-        lora_b: ``[L, N, R]`` stacked B.
-        scaling: fp32 ``[L]`` per-slot scale.
-        token_slots: int32/int64 ``[T]`` adapter slot per token.
-        y: ``[T, N_total]`` output, ``N_total >= column_offset + N``.
-        segments: ``lora_segments(token_slots, L)`` when the caller computed them once for the
-            step; computed here otherwise.
-        column_offset: first column of ``y`` written.
-        overwrite: write the delta into ``y`` (slot-0 rows: zeros) instead of adding it.
-        workspace: fp32 ``[splits, T, R]`` for the partial sums, any ``splits >= 1`` (pass one
-            allocated outside a CUDA-graph capture, or force a split count); allocated here with
-            :func:`lora_shrink_splits` splits when omitted.
-
-    Returns:
-        ``y``.
-    """
-    fn = "lora_shrink_expand"
-    _check_tensor(fn, "x", x, 2, None)
-    L, R, _ = _check_stack(fn, "x", x, "lora_a", lora_a, "[L, R, K]")
-    _check_tensor(fn, "lora_b", lora_b, 3, x.device)
-    if tuple(lora_b.shape[::2]) != (L, R):
-        raise ValueError(f"{fn}: lora_b must be [{L}, N, {R}] to match lora_a {list(lora_a.shape)}, "
-                         f"got {list(lora_b.shape)}")
-    if lora_b.dtype != lora_a.dtype:
-        raise TypeError(f"{fn}: lora_b dtype {lora_b.dtype} must match lora_a dtype {lora_a.dtype}")
-    T = x.shape[0]
-    if segments is None:
-        _check_slots(token_slots, T, x.device)
-        segments = lora_segments(token_slots, L)  # one sort serves both launches
-    if workspace is None:
-        splits = lora_shrink_splits(T, x.shape[1], R, L, x.device)
-        workspace = torch.empty(splits, T, R, dtype=torch.float32, device=x.device)
-    elif (not isinstance(workspace, torch.Tensor) or workspace.dim() != 3
-          or tuple(workspace.shape[1:]) != (T, R) or workspace.shape[0] < 1):
-        raise ValueError(f"{fn}: workspace must be a float32 tensor [splits >= 1, {T}, {R}], got "
-                         f"{getattr(workspace, 'shape', type(workspace).__name__)}")
-    lora_shrink(x, lora_a, token_slots, workspace, segments=segments)
-    return lora_expand(workspace, lora_b, token_slots, y, scaling, column_offset=column_offset,
-                       segments=segments, overwrite=overwrite)

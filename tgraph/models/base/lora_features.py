@@ -1,11 +1,32 @@
 """LoRA feature decorators: one adapter for every request, or one adapter per request.
 
-Both features keep adapter weights as engine *inputs* of fixed shapes (every adapter is padded
-to ``max_rank``) in resident buffers that loading, activating or unloading an adapter rewrites in
-place: no engine is rebuilt, and captured decode graphs read the new weights at their next
-replay. Recording wraps the target linears so that their output gets
-a LoRA delta; packed q/k/v and gate/up carry block-diagonal B matrices, so one delta covers the
-packed output (see :mod:`tgraph.layers.lora`).
+Both features run every adapted linear as one GEMM (see ``tgraph.ir.ops.lora``)::
+
+    y = [x | xa] @ [W | B blocks].T
+
+``lora_shrink_concat`` writes the operand ``[x | xa]`` (``xa``: each token's scaled shrink
+``scaling * x @ A.T`` in its adapter's column block, zeros elsewhere), and the B matrices live
+beside the base weight in one storage per target linear (:mod:`tgraph.layers.lora_bank`)::
+
+    storage = [W | multi_lora: slot 1 | ... | slot max_loras | single_lora: its slot]
+
+one region per feature that targets the linear, each padded to 8 columns. The base model's
+weight becomes the view ``storage[:, :K]``: the weight is held once, and the base engine runs on
+the view. The multi-LoRA GEMM runs on ``storage[:, :K + multi region]``, paying no column for the
+other feature: multi's mixed batches are the throughput case. The single-LoRA GEMM runs on the
+whole storage, its shrink writing zeros into multi's columns (a batch never needs both graphs:
+mixing them is refused, below).
+
+The layout is decided once, lazily, when any LoRA feature of the model first loads an adapter or
+records a graph, for all its LoRA features together, so it never changes afterwards. Engines built
+before (the base model's) are rebound to the views with ``Engine.set_weights`` and their captured
+graphs released (captured again on the next step); a model that never uses LoRA keeps its
+weights as they were.
+
+The A matrices (stacked per slot, every adapter padded to ``max_rank``), the per-slot scaling and
+the shrink kernel's arrival counters are engine *inputs* of fixed shapes in resident buffers.
+Loading, activating or unloading an adapter rewrites them and the storage's B columns in place:
+no engine is rebuilt, and captured decode graphs read the new weights at their next replay.
 
 Settings (``LlmConfig.features["single_lora"]`` / ``["multi_lora"]``):
     ``max_rank`` (16): the largest adapter rank accepted.
@@ -27,6 +48,7 @@ import numpy as np
 import torch
 
 from tgraph.errors import ConfigError
+from tgraph.kernels.triton.lora import LORA_COUNTERS, new_lora_counters
 from tgraph.layers.lora import (
     LORA_TARGET_MODULES,
     LoraAdapter,
@@ -34,11 +56,14 @@ from tgraph.layers.lora import (
     check_adapter,
     find_lora_targets,
     load_peft_adapter,
-    lora_delta,
+    lora_shrink_concat,
     pack_adapter,
 )
+from tgraph.layers.lora_bank import LoraWeightBank, aligned_width, attach_bank
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.features import FeatureDecorator
+from tgraph.nn import functional as F
+from tgraph.nn.module import Parameter
 from tgraph.nn.tensor import Tensor
 
 __all__ = ["MultiLoraDecorator", "SingleLoraDecorator"]
@@ -47,7 +72,11 @@ _SETTINGS = {"max_rank", "target_modules", "max_loras"}
 
 
 class _LoraFeature(FeatureDecorator):
-    """What both LoRA features share: settings, targets, and wrapping the target linears."""
+    """What both LoRA features share: settings, targets, the shared weight storage and wrapping
+    the target linears."""
+
+    # Where the feature's region sits in a shared storage: lower first (see the module docstring).
+    bank_order: int = 0
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
@@ -60,6 +89,8 @@ class _LoraFeature(FeatureDecorator):
             raise ConfigError(f"feature {self.name!r}: max_rank must be >= 1, got {self.max_rank}")
         self.target_modules = tuple(self.settings.get("target_modules", LORA_TARGET_MODULES))
         self._targets: list[LoraTarget] | None = None
+        self._banks: dict[str, LoraWeightBank] | None = None
+        self._gemm_weights: dict[str, Parameter] = {}
         self._wrapped: list[Any] = []
 
     # ---- model facts -----------------------------------------------------------------------------
@@ -73,6 +104,19 @@ class _LoraFeature(FeatureDecorator):
                                   f"(world_size {config.world_size}) is not supported yet")
             self._targets = find_lora_targets(self.model, self.target_modules)
         return self._targets
+
+    @property
+    def banks(self) -> dict[str, LoraWeightBank]:
+        """Each target's weight storage by target key (laid out on first use, for every LoRA
+        feature of the model at once; see the module docstring)."""
+        if self._banks is None:
+            _lay_out_banks(self.model, self)
+        assert self._banks is not None
+        return self._banks
+
+    def region_width(self, target: LoraTarget) -> int:
+        """Columns this feature owns in ``target``'s storage."""
+        raise NotImplementedError
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -91,15 +135,44 @@ class _LoraFeature(FeatureDecorator):
                       self.model.llm_config.model.num_hidden_layers)
         return adapter
 
-    # ---- recording -------------------------------------------------------------------------------
-    def _wrap(self, delta: Callable[[LoraTarget, Tensor], Tensor]) -> None:
-        """Make every target linear return ``base(x) + delta(target, x)`` while recording."""
-        for target in self.targets:
-            linear = target.linear
-            base = type(linear).forward.__get__(linear)
+    def _shared_inputs(self, is_prefill: bool, num_slots: int) -> dict[str, Tensor]:
+        """The symbolic inputs every adapted linear of the graph reads."""
+        tokens = "num_tokens" if is_prefill else "batch"
+        specs = {"lora_scaling": (torch.float32, (num_slots,)),
+                 "lora_token_slots": (torch.int32, (tokens,)),
+                 "lora_token_order": (torch.int32, (tokens,)),
+                 "lora_seg_start": (torch.int32, (num_slots + 1,)),
+                 "lora_counters": (torch.int32, (LORA_COUNTERS,))}
+        return {name: Tensor(name, dtype, shape) for name, (dtype, shape) in specs.items()}
 
-            def forward(x: Tensor, base: Callable = base, target: LoraTarget = target) -> Tensor:
-                return base(x) + delta(target, x)
+    # ---- recording -------------------------------------------------------------------------------
+    def _gemm_weight(self, target: LoraTarget) -> Parameter:
+        """``[W | B regions up to this feature's]``: the weight of the target's single GEMM."""
+        weight = self._gemm_weights.get(target.key)
+        if weight is None:
+            weight = Parameter(self.banks[target.key].prefix(self.name),
+                               name=f"{self.name}.{target.key}.weight_cat")
+            self._gemm_weights[target.key] = weight
+        return weight
+
+    def _wrap(self, inputs: dict[str, Tensor], a_stack: Callable[[LoraTarget], str]) -> None:
+        """Make every target linear one GEMM on ``[x | xa]`` while recording.
+
+        ``a_stack(target)`` names the target's stacked-A input. NOTE: the linear's own forward is
+        bypassed; it only adds an all-reduce under tensor parallelism, which LoRA refuses.
+        """
+        for target in self.targets:
+            linear, bank = target.linear, self.banks[target.key]
+            weight, a_name = self._gemm_weight(target), a_stack(target)
+            lead, width = bank.lead(self.name), bank.width(self.name)
+
+            def forward(x: Tensor, linear: Any = linear, weight: Parameter = weight,
+                        a_name: str = a_name, lead: int = lead, width: int = width) -> Tensor:
+                xcat = lora_shrink_concat(
+                    x, inputs[a_name], inputs["lora_scaling"], inputs["lora_token_slots"],
+                    inputs["lora_token_order"], inputs["lora_seg_start"], inputs["lora_counters"],
+                    lead=lead, width=width)  # (tokens, in + width)
+                return F.linear(xcat, weight, linear.bias)
 
             # NOTE: an instance attribute shadows the class's forward; exit_graph deletes it.
             object.__setattr__(linear, "forward", forward)
@@ -111,24 +184,79 @@ class _LoraFeature(FeatureDecorator):
         self._wrapped.clear()
 
 
+def _lora_features(model: Any, requester: _LoraFeature) -> list[_LoraFeature]:
+    """The model's LoRA features in storage order (``requester`` alone outside a model)."""
+    features = getattr(model, "features", None)
+    if not isinstance(features, dict) or requester not in features.values():
+        return [requester]
+    lora = [f for f in features.values() if isinstance(f, _LoraFeature)]
+    return sorted(lora, key=lambda f: f.bank_order)
+
+
+def _lay_out_banks(model: Any, requester: _LoraFeature) -> None:
+    """Give every target linear of every LoRA feature its shared storage, once."""
+    features = _lora_features(model, requester)
+    regions: dict[int, tuple[Any, list[tuple[str, int]]]] = {}
+    for feature in features:
+        for target in feature.targets:
+            entry = regions.setdefault(id(target.linear), (target.linear, []))
+            entry[1].append((feature.name, feature.region_width(target)))
+    engines = _EngineWeights(model)
+    banks: dict[int, LoraWeightBank] = {}
+    for key, (linear, spans) in regions.items():
+        banks[key], created = attach_bank(linear, spans)
+        if created:
+            # One linear at a time: its old weight is freed before the next storage is allocated,
+            # so the re-layout needs one target's worth of extra memory, not a second model.
+            engines.rebind(linear)
+    for feature in features:
+        feature._banks = {t.key: banks[id(t.linear)] for t in feature.targets}
+
+
+class _EngineWeights:
+    """The model's built engines, rebound to re-laid-out weights (``Engine.set_weights``), so
+    that none keeps the old tensor (a second copy) alive."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.engines = list(getattr(model, "engines", {}).values())
+        self.held = [{v.name for v in engine.weights} for engine in self.engines]
+        self.released = False
+
+    def rebind(self, linear: Any) -> None:
+        name = linear.weight.name
+        users = [e for e, held in zip(self.engines, self.held) if name is not None and name in held]
+        if users and not self.released:
+            # Captured graphs hold the old weights too: drop them all (captured again on the
+            # next step).
+            self.model.release_graphs()
+            self.released = True
+        for engine in users:
+            engine.set_weights({name: linear.weight.data})
+
+
 class SingleLoraDecorator(_LoraFeature):
     """One active adapter applied to every request of a batch.
 
     ``model.features["single_lora"].load(name, dir)`` reads a PEFT adapter;
     ``.activate(name)`` makes it the adapter of every following batch (``activate(None)``: the
-    base model). The delta ``(x @ A.T) @ (scaling B).T`` runs as the multi-LoRA ``lora_delta``
-    with two slots (slot 0 empty, slot 1 the active adapter, every token in slot 1): the same
-    split-K shrink/expand pair, which fills the GPU where a GEMM with ``E * max_rank`` output
-    columns cannot.
+    base model). Activating copies the adapter's A into the resident stack (two slots: slot 0
+    empty, slot 1 the active adapter, every token in slot 1) and its B, with the scaling folded
+    in, into this feature's columns of each target's storage: the same shrink kernel and single
+    GEMM as multi-LoRA.
     """
 
     name = "single_lora"
+    bank_order = 1
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.active: str | None = None
         self._resident: dict[str, torch.Tensor] | None = None
+
+    def region_width(self, target: LoraTarget) -> int:
+        return aligned_width(target.width(self.max_rank))
 
     def load(self, name: str, path: str | Path) -> None:
         """Read the PEFT adapter at ``path`` under ``name`` (replacing one of that name; if it
@@ -151,8 +279,8 @@ class SingleLoraDecorator(_LoraFeature):
     def activate(self, name: str | None) -> None:
         """Apply adapter ``name`` to every following batch (``None``: no adapter).
 
-        The adapter is copied into the resident input buffers, so engines (and captured decode
-        graphs) serve it without being rebuilt.
+        The adapter is copied into the resident buffers and the weight storage, so engines (and
+        captured decode graphs) serve it without being rebuilt.
 
         Raises:
             KeyError: ``name`` is not loaded.
@@ -165,12 +293,22 @@ class SingleLoraDecorator(_LoraFeature):
         self.active = name
 
     def _copy_in(self, name: str) -> None:
+        resident = self._resident_buffers()
+        for t in self.targets:
+            resident[f"lora_a_{t.key}"][1].copy_(self.adapters[name][f"lora_a_{t.key}"])
+            b = self.adapters[name][f"lora_b_{t.key}"]
+            self.banks[t.key].region(self.name)[:, :b.shape[1]].copy_(b)
+
+    def _resident_buffers(self) -> dict[str, torch.Tensor]:
         if self._resident is None:
             # [2, ...] stacks: slot 0 ("no adapter") stays zero; scaling is folded into B.
-            self._resident = {k: v.new_zeros((2, *v.shape)) for k, v in self.adapters[name].items()}
-            self._resident["lora_scaling"] = torch.tensor([0.0, 1.0], device=self._device)
-        for k, v in self.adapters[name].items():
-            self._resident[k][1].copy_(v)
+            resident = {"lora_scaling": torch.tensor([0.0, 1.0], device=self._device),
+                        "lora_counters": new_lora_counters(self._device)}
+            for t in self.targets:
+                resident[f"lora_a_{t.key}"] = torch.zeros(
+                    2, t.width(self.max_rank), t.in_features, dtype=self._dtype, device=self._device)
+            self._resident = resident
+        return self._resident
 
     def unload(self, name: str) -> None:
         """Forget adapter ``name`` (deactivating it if active)."""
@@ -181,25 +319,14 @@ class SingleLoraDecorator(_LoraFeature):
             self.active = None
 
     def symbolic_inputs(self, is_prefill: bool) -> dict[str, Tensor]:
-        tokens = "num_tokens" if is_prefill else "batch"
-        inputs = {"lora_scaling": Tensor("lora_scaling", torch.float32, (2,)),
-                  "lora_token_slots": Tensor("lora_token_slots", torch.int32, (tokens,)),
-                  "lora_token_order": Tensor("lora_token_order", torch.int32, (tokens,)),
-                  "lora_seg_start": Tensor("lora_seg_start", torch.int32, (3,))}
+        inputs = self._shared_inputs(is_prefill, 2)
         for t in self.targets:
-            width = t.width(self.max_rank)
-            inputs[f"lora_a_{t.key}"] = Tensor(f"lora_a_{t.key}", self._dtype,
-                                               (2, width, t.in_features))
-            inputs[f"lora_b_{t.key}"] = Tensor(f"lora_b_{t.key}", self._dtype,
-                                               (2, t.out_features, width))
+            name = f"lora_a_{t.key}"
+            inputs[name] = Tensor(name, self._dtype, (2, t.width(self.max_rank), t.in_features))
         return inputs
 
     def enter_graph(self, inputs: dict[str, Tensor]) -> None:
-        def delta(target: LoraTarget, x: Tensor) -> Tensor:
-            return lora_delta(x, inputs[f"lora_a_{target.key}"], inputs[f"lora_b_{target.key}"],
-                              inputs["lora_scaling"], inputs["lora_token_slots"],
-                              inputs["lora_token_order"], inputs["lora_seg_start"])
-        self._wrap(delta)
+        self._wrap(inputs, lambda t: f"lora_a_{t.key}")
 
     def is_used(self, batch: BatchMeta) -> bool:
         return self.active is not None
@@ -226,11 +353,13 @@ class MultiLoraDecorator(_LoraFeature):
     """Up to ``max_loras`` adapters at once; each request names its own (``BatchMeta.loras``,
     ``None``: the base model).
 
-    Adapters live in stacked tensors ``[max_loras + 1, ...]``; slot 0 is "no adapter". ``load``
-    and ``unload`` write a slot in place at run time, between steps.
+    Adapters live in slots ``1..max_loras`` (slot 0 is "no adapter"): A in stacked tensors
+    ``[max_loras + 1, ...]``, B in this feature's columns of each target's storage, one block per
+    slot. ``load`` and ``unload`` write a slot in place at run time, between steps.
     """
 
     name = "multi_lora"
+    bank_order = 0
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
@@ -244,17 +373,19 @@ class MultiLoraDecorator(_LoraFeature):
     def num_slots(self) -> int:
         return self.max_loras + 1
 
+    def region_width(self, target: LoraTarget) -> int:
+        return aligned_width(self.max_loras * target.width(self.max_rank))
+
     @property
     def stacks(self) -> dict[str, torch.Tensor]:
-        """The stacked engine inputs (allocated on first use)."""
+        """The resident engine inputs: stacked A, scaling, counters (allocated on first use)."""
         if self._stacks is None:
-            stacks = {"lora_scaling": torch.zeros(self.num_slots, device=self._device)}
+            stacks = {"lora_scaling": torch.zeros(self.num_slots, device=self._device),
+                      "lora_counters": new_lora_counters(self._device)}
             for t in self.targets:
-                width = t.width(self.max_rank)
                 stacks[f"lora_a_stack_{t.key}"] = torch.zeros(
-                    self.num_slots, width, t.in_features, dtype=self._dtype, device=self._device)
-                stacks[f"lora_b_stack_{t.key}"] = torch.zeros(
-                    self.num_slots, t.out_features, width, dtype=self._dtype, device=self._device)
+                    self.num_slots, t.width(self.max_rank), t.in_features, dtype=self._dtype,
+                    device=self._device)
             self._stacks = stacks
         return self._stacks
 
@@ -295,30 +426,20 @@ class MultiLoraDecorator(_LoraFeature):
         for t in self.targets:
             a, b = pack_adapter(adapter, t, self.max_rank)
             stacks[f"lora_a_stack_{t.key}"][slot].copy_(a)
-            stacks[f"lora_b_stack_{t.key}"][slot].copy_(b)
+            width = b.shape[1]
+            self.banks[t.key].region(self.name)[:, (slot - 1) * width:slot * width].copy_(b)
         stacks["lora_scaling"][slot] = 0.0 if adapter is None else adapter.scaling
 
     def symbolic_inputs(self, is_prefill: bool) -> dict[str, Tensor]:
-        tokens = "num_tokens" if is_prefill else "batch"
-        inputs = {"lora_scaling": Tensor("lora_scaling", torch.float32, (self.num_slots,)),
-                  "lora_token_slots": Tensor("lora_token_slots", torch.int32, (tokens,)),
-                  "lora_token_order": Tensor("lora_token_order", torch.int32, (tokens,)),
-                  "lora_seg_start": Tensor("lora_seg_start", torch.int32,
-                                           (self.num_slots + 1,))}
+        inputs = self._shared_inputs(is_prefill, self.num_slots)
         for t in self.targets:
-            width = t.width(self.max_rank)
-            for name, shape in ((f"lora_a_stack_{t.key}", (width, t.in_features)),
-                                (f"lora_b_stack_{t.key}", (t.out_features, width))):
-                inputs[name] = Tensor(name, self._dtype, (self.num_slots, *shape))
+            name = f"lora_a_stack_{t.key}"
+            inputs[name] = Tensor(name, self._dtype,
+                                  (self.num_slots, t.width(self.max_rank), t.in_features))
         return inputs
 
     def enter_graph(self, inputs: dict[str, Tensor]) -> None:
-        def delta(target: LoraTarget, x: Tensor) -> Tensor:
-            return lora_delta(x, inputs[f"lora_a_stack_{target.key}"],
-                              inputs[f"lora_b_stack_{target.key}"], inputs["lora_scaling"],
-                              inputs["lora_token_slots"], inputs["lora_token_order"],
-                              inputs["lora_seg_start"])
-        self._wrap(delta)
+        self._wrap(inputs, lambda t: f"lora_a_stack_{t.key}")
 
     def is_used(self, batch: BatchMeta) -> bool:
         return any(n is not None for n in (batch.loras or ()))
@@ -352,4 +473,5 @@ class MultiLoraDecorator(_LoraFeature):
         slots = np.asarray(self.token_slots(batch), dtype=np.int32)
         order = np.argsort(slots, kind="stable").astype(np.int32)
         seg_start = np.searchsorted(slots[order], np.arange(self.num_slots + 1)).astype(np.int32)
-        return {"lora_token_slots": slots, "lora_token_order": order, "lora_seg_start": seg_start}
+        return {"lora_token_slots": np.asarray(slots, dtype=np.int32), "lora_token_order": order,
+                "lora_seg_start": seg_start}
