@@ -571,6 +571,7 @@ for half, d, interleaved, cache in ((64, 128, True, True), (16, 80, False, False
         HALF=half, D=d, INTERLEAVED=interleaved, WRITE_K_OUT=half > 0, WRITE_CACHE=cache, BLOCK_HQ=bhq,
         BLOCK_HK=bhk, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if d > 2 * half else 0, BLOCK_D=triton.next_power_of_2(d),
+        IN_PLACE=not cache,
     )
     compile_sm90(rope._rope_cache_kernel, consts, warps, tables)
 print("compiled")

@@ -39,9 +39,11 @@ __all__ = ["rope", "rope_and_cache", "reshape_and_cache"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SLOT_DTYPES = (torch.int32, torch.int64)
 
-# Elements per program to aim for: 16 heads of 128 dims. Each program then moves 4 KiB (bf16)
-# each way per tensor, and a 4096-token prefill with 32/8 heads launches ~12k programs.
-_TARGET_TILE = 2048
+# Elements of q per program to aim for: 8 heads of 128 dims (2 KiB each way in bf16). A kv program
+# moves k and v (and writes both to the cache), so it takes half as many heads. H100 sweep
+# (tgraph.bench.tune_attention --only rope, docs/bench/h100-tune-rope.json; 4096 tokens, 32/8
+# heads, d=128): (8, 4) heads at 2 warps 83% of copy bandwidth, (16, 8) below 79%.
+_TARGET_TILE = 1024
 
 
 @triton.jit
@@ -229,7 +231,7 @@ def _config(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[int, int, i
     """Pick ``(BLOCK_HQ, BLOCK_HK, num_warps)`` from head counts and size (never from T)."""
     max_heads = max(1, _TARGET_TILE // triton.next_power_of_2(head_dim))
     block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
-    block_hk = min(triton.next_power_of_2(max(n_kv_heads, 1)), max_heads)
+    block_hk = min(triton.next_power_of_2(max(n_kv_heads, 1)), max(1, max_heads // 2))
     # 2 warps: more small programs resident per SM kept more bytes in flight (H200 sweep,
     # tgraph.bench.tune_attention: 72% -> 80% of copy bandwidth at 4096 tokens, 32/8 heads).
     return block_hq, block_hk, 2
