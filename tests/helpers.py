@@ -7,6 +7,10 @@ torch computation (:func:`assert_close`, with tolerances chosen by dtype in :dat
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -190,3 +194,19 @@ def upcast(t: Any) -> Any:
     if isinstance(t, torch.Tensor) and t.dtype.is_floating_point:
         return t.to(torch.float64)
     return t
+
+
+def run_without_interpreter(script: str, extra_env: Mapping[str, str] | None = None,
+                            timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run ``python -c script`` with the repository importable and ``TRITON_INTERPRET`` unset.
+
+    For tests that compile kernels for sm_90 on a CPU-only machine: Triton's interpreter accepts
+    code its compiler rejects, and a process that ever set ``TRITON_INTERPRET`` cannot compile.
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    root = str(Path(__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+    env.update(extra_env or {})
+    return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=timeout)

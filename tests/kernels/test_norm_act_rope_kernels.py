@@ -583,15 +583,9 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     # The interpreter accepts code the compiler rejects (types across branches, layouts of
     # split/join, barriers); compiling for an H100 target with the bundled ptxas catches that on
     # a CPU-only machine. It needs a process where TRITON_INTERPRET was never set.
-    import os
-    import subprocess
-    import sys
+    from tests.helpers import run_without_interpreter
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-    done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True)
+    done = run_without_interpreter(_COMPILE_SCRIPT)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-4000:]
 
 

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import pytest
 import torch
 
 import tgraph.ir.ops.fused_pointwise  # noqa: F401  (registers the op until ir.ops imports it)
-from tests.helpers import assert_close, poison_like, tolerance
+from tests.helpers import assert_close, poison_like, run_without_interpreter, tolerance
 from tgraph.engine import build_engine
 from tgraph.ir.ops import Meta, get_op
 from tgraph.ir.ops.fused_pointwise import FUSIBLE_OPS, MAX_REDUCTION_WIDTH, PointwiseProgram
@@ -464,13 +462,9 @@ def test_generated_kernels_compile_for_sm90_without_a_gpu(tmp_path):
     """Triton's interpreter runs Python, not the compiler: this compiles generated kernels to
     cubin for sm_90 in a clean process (no GPU is needed to compile)."""
     pytest.importorskip("triton.backends.nvidia")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TGRAPH_CACHE_DIR"] = str(tmp_path)
-    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton")
-    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    done = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], env=env, capture_output=True,
-                          text=True, timeout=300)
+    done = run_without_interpreter(_AOT_SCRIPT, {"TGRAPH_CACHE_DIR": str(tmp_path),
+                                                 "TRITON_CACHE_DIR": str(tmp_path / "triton")},
+                                   timeout=300)
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.count("compiled fused_") == 2, done.stdout
 
