@@ -210,3 +210,17 @@ def run_without_interpreter(script: str, extra_env: Mapping[str, str] | None = N
     env.update(extra_env or {})
     return subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def capture_cuda_graph(step: Callable[[], Any]) -> "torch.cuda.CUDAGraph":
+    """Run ``step`` once on a side stream (compiling kernels outside the capture), then capture
+    it into a CUDA graph and return the graph (not yet replayed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    return graph

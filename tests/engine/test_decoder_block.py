@@ -146,18 +146,6 @@ def test_decode_block_folds_the_rope_into_attention():
     assert fused.stats.kernel_count == 11
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_decode_fused_equals_unfused(dtype, tol):
-    net = _record(dtype, decode=True)
-    inputs = _decode_inputs(dtype)
-    a, b = _fresh(inputs), _fresh(inputs)
-    fused = net.build_engine().forward(a)["out"]
-    plain = net.build_engine(passes=False).forward(b)["out"]
-    torch.testing.assert_close(fused.float(), plain.float(), rtol=tol, atol=tol)
-    torch.testing.assert_close(a["k_cache"], b["k_cache"])
-    torch.testing.assert_close(a["v_cache"], b["v_cache"])
-
-
 def test_decode_triton_backend_matches_reference_on_cpu_interpreter():
     # The Triton decode attention rotates q and the new key itself and writes the cache; fp32
     # under the interpreter, 1e-4 as for the prefill block above.
@@ -193,16 +181,18 @@ def test_weights_as_parameters_merge_qkv_and_gate_up():
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-def test_fused_equals_unfused(dtype, tol):
+def test_fused_equals_unfused(dtype, tol, decode):
     # The fused references compose the unfused ones; only rounding order may differ in bf16.
-    net = _record(dtype)
-    inputs = _inputs(dtype)
+    net = _record(dtype, decode=decode)
+    inputs = _decode_inputs(dtype) if decode else _inputs(dtype)
     a, b = _fresh(inputs), _fresh(inputs)
     fused = net.build_engine().forward(a)["out"]
     plain = net.build_engine(passes=False).forward(b)["out"]
     torch.testing.assert_close(fused.float(), plain.float(), rtol=tol, atol=tol)
     torch.testing.assert_close(a["k_cache"], b["k_cache"])
+    torch.testing.assert_close(a["v_cache"], b["v_cache"])
 
 
 def test_triton_backend_matches_reference_on_cpu_interpreter():

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.helpers import capture_cuda_graph
 from tgraph.kernels.triton import attention_decode, attention_prefill
 from tgraph.kernels.triton.attention import (
     NewKey,
@@ -730,14 +731,7 @@ def test_gpu_cuda_graph_capture_and_replay():
         paged_attention_decode(q_dec, case.k_cache, case.v_cache, case.block_table, kv_lens,
                                None, None, out_dec)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compile outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)
     out_pre.fill_(float("nan"))
     out_dec.fill_(float("nan"))
     graph.replay()

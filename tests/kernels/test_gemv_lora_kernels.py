@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import capture_cuda_graph
 from tgraph.kernels.triton.gemv import choose_config, prefer_small_m, small_m_linear, workspace_size
 from tgraph.kernels.triton.lora import lora_segments, lora_shrink_concat, new_lora_counters
 
@@ -292,14 +293,7 @@ def test_gpu_cuda_graph_capture():
         lora_shrink_concat(x, a, scaling, slots, xcat, counters, segments=lora_segments(slots, L))
         small_m_linear(xcat, storage, out, bias=b, workspace=ws_cat)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # warm-up compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)
     for _ in range(2):
         x.copy_(torch.randn_like(x))
         slots.copy_(torch.randint(0, L, (M,), dtype=torch.int32, device="cuda"))

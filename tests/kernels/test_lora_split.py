@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import capture_cuda_graph
 from tgraph.kernels.fast_lora import lora_shrink_concat_into
 from tgraph.kernels.triton.lora import (
     LORA_COUNTERS,
@@ -377,14 +378,7 @@ def test_gpu_cuda_graph_replays_new_slots():
     def step():
         lora_shrink_concat(x, a, scaling, slots, out, counters, segments=(order, seg))
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()  # compiles outside the capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_cuda_graph(step)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         slots.copy_(torch.randint(0, L, (T,), dtype=torch.int32, device="cuda"))

@@ -351,6 +351,11 @@ def test_rope_and_cache(dtype, interleaved, block_size):
     assert_close(k_out, rnd(ref_rope(k, cos, sin, interleaved), dtype), rtol_for(dtype))
     _check_cache(k_cache, slots, k_out)
     _check_cache(v_cache, slots, v)
+    # Without k_out (the model's call: rotated keys only go to the cache) the same bits land.
+    k_cache2, v_cache2, q_out2 = torch.full_like(k_cache, NAN), torch.full_like(v_cache, NAN), nan_like(q)
+    rope_and_cache(q, k, v, cos, sin, k_cache2, v_cache2, slots, q_out2, None, interleaved)
+    for got, want in ((q_out2, q_out), (k_cache2, k_cache), (v_cache2, v_cache)):
+        assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
@@ -565,10 +570,11 @@ compile_sm90(activations._swiglu_kernel, dict(ROWS=rows, BLOCK_N=block_n), warps
 rows, block_h, warps = embedding._config(4096)
 compile_sm90(embedding._embedding_kernel, dict(ROWS=rows, BLOCK_H=block_h), warps, {"ids_ptr": "*i64"})
 tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}
-for half, d, interleaved, cache in ((64, 128, True, True), (16, 80, False, False), (0, 128, False, True)):
+for half, d, interleaved, cache, k_out in ((64, 128, True, True, True), (16, 80, False, False, True),
+                                           (0, 128, False, True, False), (64, 128, False, True, False)):
     bhq, bhk, warps = rope._config(d, 32, 8)
     consts = dict(
-        HALF=half, D=d, INTERLEAVED=interleaved, WRITE_K_OUT=half > 0, WRITE_CACHE=cache, BLOCK_HQ=bhq,
+        HALF=half, D=d, INTERLEAVED=interleaved, WRITE_K_OUT=k_out, WRITE_CACHE=cache, BLOCK_HQ=bhq,
         BLOCK_HK=bhk, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
         BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if d > 2 * half else 0, BLOCK_D=triton.next_power_of_2(d),
         IN_PLACE=not cache,

@@ -71,6 +71,18 @@ def _entry(cfg, ms: float, **metrics: float) -> dict:
     return {"config": dataclasses.asdict(cfg), "ms": ms, **metrics}
 
 
+def _paged_cache(batch: int, seq: int, kv_heads: int, head_dim: int, block_size: int):
+    """Random bf16 K/V caches holding ``batch`` full sequences of ``seq`` tokens: ``(k_cache,
+    v_cache, block_table, kv_lens)``. The pages are shuffled, like a cache that has served other
+    requests (gathers cost the same either way, but this keeps the sweeps honest)."""
+    blocks = batch * seq // block_size
+    kc = torch.randn(blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(batch, seq // block_size)
+    lens = torch.full((batch,), seq, device="cuda", dtype=torch.int32)
+    return kc, vc, table, lens
+
+
 def tune_prefill(matmul_tflops: float, quick: bool = False) -> dict:
     """Time prefill attention configurations; see the module doc.
 
@@ -87,13 +99,7 @@ def tune_prefill(matmul_tflops: float, quick: bool = False) -> dict:
     from tgraph.kernels.triton import attention_prefill as ap
 
     b, seq, hq, hk, d, bs = 4, 2048, 32, 8, 128, 16
-    blocks = b * seq // bs
-    kc = torch.randn(blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    # A shuffled page order, like a cache that has served other requests (the bench's is
-    # contiguous; gathers cost the same either way, but this keeps the sweep honest).
-    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, seq // bs)
-    lens = torch.full((b,), seq, device="cuda", dtype=torch.int32)
+    kc, vc, table, lens = _paged_cache(b, seq, hk, d, bs)
     q = torch.randn(b * seq, hq, d, device="cuda", dtype=torch.bfloat16)
     qsl = torch.arange(0, b * seq + 1, seq, device="cuda", dtype=torch.int32)
     out = torch.empty_like(q)
@@ -185,11 +191,7 @@ def tune_decode(copy_gbps: float, quick: bool = False) -> dict:
     from tgraph.kernels.triton.attention import _num_sms
 
     b, ctx, hq, hk, d, bs = 32, 4096, 32, 8, 128, 16
-    blocks = b * ctx // bs
-    kc = torch.randn(blocks, bs, hk, d, device="cuda", dtype=torch.bfloat16)
-    vc = torch.randn_like(kc)
-    table = torch.randperm(blocks, device="cuda").to(torch.int32).view(b, ctx // bs)
-    lens = torch.full((b,), ctx, device="cuda", dtype=torch.int32)
+    kc, vc, table, lens = _paged_cache(b, ctx, hk, d, bs)
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
     splits = ad.choose_num_splits(b, hk, ctx, _num_sms(q.device))

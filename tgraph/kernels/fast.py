@@ -104,10 +104,9 @@ def _reshape_and_cache(outs: Outs, k, v, k_cache, v_cache, slots):
 def _rope_cache(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False):
     from tgraph.kernels.triton.rope import rope_and_cache
 
-    # The rotated k only goes to the cache; the kernel still wants somewhere to put it.
-    k_scratch = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    # The rotated k only goes to the cache: no k_out.
     rope_and_cache(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), cos.float(),
-                   sin.float(), k_cache, v_cache, slots, outs[0], k_scratch, interleaved)
+                   sin.float(), k_cache, v_cache, slots, outs[0], None, interleaved)
     return outs[0], k_cache, v_cache
 
 

@@ -262,13 +262,15 @@ def _check_qk(op: str, q, k, cos, sin, q_out, k_out, interleaved) -> None:
     _check_tensor(op, "q", q, 3)
     _check_tensor(op, "k", k, 3)
     _check_tensor(op, "q_out", q_out, 3)
-    _check_tensor(op, "k_out", k_out, 3)
+    if k_out is not None:
+        _check_tensor(op, "k_out", k_out, 3)
     _check_tensor(op, "cos", cos, 2, (torch.float32,))
     _check_tensor(op, "sin", sin, 2, (torch.float32,))
     t, _, d = q.shape
     _check_shape(op, "k", k, (t, k.shape[1], d), "tokens and head_dim as q")
     _check_shape(op, "q_out", q_out, tuple(q.shape), "as q")
-    _check_shape(op, "k_out", k_out, tuple(k.shape), "as k")
+    if k_out is not None:
+        _check_shape(op, "k_out", k_out, tuple(k.shape), "as k")
     half = cos.shape[1]
     if cos.shape[0] != t or not 1 <= 2 * half <= d:
         raise ValueError(
@@ -370,7 +372,7 @@ def rope_and_cache(
     v_cache: torch.Tensor,
     slots: torch.Tensor,
     q_out: torch.Tensor,
-    k_out: torch.Tensor,
+    k_out: torch.Tensor | None,
     interleaved: bool,
 ) -> None:
     """Rotary embedding of q and k plus the paged KV-cache write, in one launch.
@@ -386,20 +388,22 @@ def rope_and_cache(
         slots: ``[T]`` int32/int64 flat slot per token; slots outside
             ``[0, num_blocks * block_size)`` (negative = padding) are skipped.
         q_out: ``[T, Hq, D]`` rotated queries; may alias ``q``.
-        k_out: ``[T, Hk, D]`` rotated keys; may alias ``k``.
+        k_out: ``[T, Hk, D]`` rotated keys; may alias ``k``. ``None``: the rotated keys only
+            go to the cache (what a model needs; saves a write of k).
         interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of ``(i, i + R/2)``.
 
     Returns:
-        None; writes ``q_out``, ``k_out`` and the cache rows at ``slots``.
+        None; writes ``q_out``, ``k_out`` (if given) and the cache rows at ``slots``.
     """
     op = "rope_and_cache"
     _check_qk(op, q, k, cos, sin, q_out, k_out, interleaved)
     _check_cache(op, k, v, k_cache, v_cache, slots)
     _check_device(op, {
         "q": q, "k": k, "v": v, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache,
-        "slots": slots, "q_out": q_out, "k_out": k_out,
+        "slots": slots, "q_out": q_out, **({"k_out": k_out} if k_out is not None else {}),
     })  # fmt: skip
-    _launch(q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots, interleaved, True, True, True)
+    _launch(q, k, v, cos, sin, q_out, k if k_out is None else k_out, k_cache, v_cache, slots,
+            interleaved, True, k_out is not None, True)
 
 
 def reshape_and_cache(

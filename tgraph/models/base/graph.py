@@ -27,6 +27,9 @@ from tgraph.nn.tensor import Tensor
 logger = logging.getLogger("tgraph.models")
 
 GraphKey = tuple[bool, tuple[str, ...]]
+# Engine inputs with one integer per token (per sequence at decode) -> the BatchMeta field.
+_BATCH_FIELDS = {"input_ids": "input_ids", "position_ids": "positions",
+                 "slots_mapping": "slots", "seq_len": "kv_lens"}
 
 
 class GraphModel:
@@ -237,10 +240,7 @@ class GraphState:
     def _input_arrays(self, batch: BatchMeta, is_prefill: bool,
                       feature_names: tuple[str, ...]) -> dict[str, np.ndarray]:
         """The batch's integer inputs (the model's and its features') as int32 host arrays."""
-        parts: dict[str, Any] = {
-            "input_ids": batch.input_ids, "position_ids": batch.positions,
-            "slots_mapping": batch.slots, "seq_len": batch.kv_lens,
-        }
+        parts: dict[str, Any] = {name: getattr(batch, f) for name, f in _BATCH_FIELDS.items()}
         if is_prefill:
             parts["query_start_loc"] = np.concatenate(([0], np.cumsum(batch.query_lens)))
             parts["lm_head_indices"] = batch.default_logits_indices()
@@ -262,7 +262,7 @@ class GraphState:
                        extra: dict[str, np.ndarray]) -> dict[str, tuple[int, ...]]:
         """The integer inputs of a decode step of ``bucket`` sequences, by name."""
         shapes: dict[str, tuple[int, ...]] = {
-            name: (bucket,) for name in ("input_ids", "position_ids", "slots_mapping", "seq_len")}
+            name: (bucket,) for name in _BATCH_FIELDS}
         shapes["block_table"] = (bucket, self.config.max_blocks_per_seq)
         shapes.update({k: a.shape for k, a in extra.items()})
         return shapes
@@ -433,10 +433,8 @@ class _Staging:
         if self._replayed is not None:
             self._replayed.synchronize()
         views = self.views
-        views["input_ids"][:] = batch.input_ids
-        views["position_ids"][:] = batch.positions
-        views["slots_mapping"][:] = batch.slots
-        views["seq_len"][:] = batch.kv_lens
+        for name, field_name in _BATCH_FIELDS.items():
+            views[name][:] = getattr(batch, field_name)
         self._write_tables(batch.block_tables)
         for name, a in extra.items():
             views[name][...] = a
