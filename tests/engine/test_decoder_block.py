@@ -53,7 +53,9 @@ def _record(dtype, params: dict | None = None, decode: bool = False):
         v = F.linear(x, w["wv"]).reshape(-1, HK, D)
         q, k = F.rope(q, k, cos, sin)
         k_cache, v_cache = F.reshape_and_cache(k, v, k_cache, v_cache, slots)
-        a = F.paged_attention(q, k_cache, v_cache, block_table, kv_lens, qsl)
+        # As the Attention layer does: a prefill's attention may read the new keys directly.
+        a = F.paged_attention(q, k_cache, v_cache, block_table, kv_lens, qsl,
+                              new_kv=None if decode else (k, v))
         r2 = F.linear(a.reshape(-1, HQ * D), w["wo"]) + r
         x2 = _plain_rms(r2, w["ln2"])
         g, u = F.linear(x2, w["wg"]), F.linear(x2, w["wu"])
@@ -134,6 +136,10 @@ def test_kernel_counts_with_and_without_passes():
                    "linear", "add_rms_norm", "linear", "linear", "silu_mul", "linear_epilogue"]
     assert fused.stats.kernel_count == 12
     assert plain.stats.kernel_count == 31
+    # The attention reads the rotated keys: the fused rope keeps them as a fourth output.
+    rope = next(n for n in fused.net.nodes if n.op == "rope_cache")
+    attn = next(n for n in fused.net.nodes if n.op == "paged_attention")
+    assert rope.attrs.get("keep_k") is True and attn.inputs[6] is rope.outputs[3]
 
 
 def test_decode_block_folds_the_rope_into_attention():

@@ -280,6 +280,79 @@ def test_prefill_single_sequence_and_empty_chunks():
     assert_close(run_prefill(case), reference_prefill(case, 0.25, None))
 
 
+def new_kv_rows(case: PagedCase, strided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's new keys/values in query order (``[T, Hk, D]``), as the model passes them.
+
+    Rows of sequences with cached context are NaN: the kernel must read those sequences from
+    the cache. ``strided``: k and v are views of one wider (qkv-like) buffer.
+    """
+    k0 = case.k_dense[0] if case.k_dense else case.k_cache[0, :0]
+    heads, d = case.k_cache.shape[2], case.k_cache.shape[3]
+    total = sum(case.q_lens)
+    width = 3 * heads if strided else heads
+    buf_k = torch.full((total, width, d), float("nan"), dtype=k0.dtype, device=case.q.device)
+    buf_v = buf_k.clone()
+    k_new, v_new = (buf_k[:, heads:2 * heads], buf_v[:, 2 * heads:]) if strided else (buf_k, buf_v)
+    for b, q_len in enumerate(case.q_lens):
+        kv_len = case.k_dense[b].shape[0]
+        start = int(case.query_start_loc[b])
+        if kv_len == q_len:
+            k_new[start:start + q_len] = case.k_dense[b]
+            v_new[start:start + q_len] = case.v_dense[b]
+    return k_new, v_new
+
+
+def poison_new_slots_of_fresh_sequences(case: PagedCase) -> None:
+    """NaN in the cache where sequences without context keep their keys: reading the cache
+    instead of the new rows for them fails the comparison."""
+    block_size = case.k_cache.shape[1]
+    for b, q_len in enumerate(case.q_lens):
+        if q_len and case.k_dense[b].shape[0] == q_len:
+            for pos in range(q_len):
+                page = int(case.block_table[b, pos // block_size])
+                case.k_cache[page, pos % block_size] = float("nan")
+                case.v_cache[page, pos % block_size] = float("nan")
+
+
+# Configs of the new-keys path: the interpreter default (one loop), three loops, GQA packing;
+# each with TMA descriptors and with pointer loads.
+NEW_KV_CONFIGS = [
+    PrefillConfig(16, 16, 4, 1, pack_gqa=True),
+    PrefillConfig(32, 16, 4, 1, single_loop=False),
+    PrefillConfig(32, 16, 4, 1, pack_gqa=True, single_loop=False, prefetch_pages=False),
+]
+
+
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointers"])
+@pytest.mark.parametrize("config", NEW_KV_CONFIGS, ids=["1loop-packed", "3loops", "3loops-packed"])
+@pytest.mark.parametrize("window", [None, 6, 31])
+def test_prefill_reads_new_keys_of_fresh_sequences(config, tma, window):
+    # Fresh sequences (context 0) of ragged lengths next to chunks after cached context and an
+    # empty chunk; the fresh ones' cache slots are NaN, the others' new rows are NaN.
+    q_lens, kv_lens = [37, 7, 1, 0, 16, 21], [37, 40, 1, 9, 16, 50]
+    case = make_case(q_lens, kv_lens, 4, 2, 16, 16, torch.float32)
+    ref = reference_prefill(case, 0.25, window)
+    k_new, v_new = new_kv_rows(case, strided=True)
+    poison_new_slots_of_fresh_sequences(case)
+    out = torch.full_like(case.q, float("nan"))
+    attention_prefill.launch_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
+                                     case.kv_lens, case.query_start_loc, 0.25, window, out,
+                                     dataclasses.replace(config, tma=tma), (k_new, v_new))
+    assert_close(out, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_prefill_new_keys_half_precision(dtype):
+    case = make_case([40, 9], [40, 9], 8, 2, 32, 16, dtype)
+    ref = reference_prefill(case, None or 1 / math.sqrt(32), None)
+    k_new, v_new = new_kv_rows(case)
+    poison_new_slots_of_fresh_sequences(case)
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                            case.query_start_loc, None, None, out, new_kv=(k_new, v_new))
+    assert_close(out, ref)
+
+
 @pytest.mark.parametrize(
     "config",
     [
@@ -613,6 +686,18 @@ def test_prefill_rejects_bad_input():
     with pytest.raises(ValueError, match="q must be 3-D"):
         paged_attention_prefill(case.q[0], case.k_cache, case.v_cache, case.block_table,
                                 case.kv_lens, case.query_start_loc, None, None, out[0])
+    k_new, v_new = new_kv_rows(case)
+    bad_new_kv = [
+        ((k_new,), TypeError, "pair"),
+        ((k_new[:3], v_new), ValueError, r"new k must be \[T, Hk, D\]"),
+        ((k_new, v_new.double()), TypeError, "cache's dtype"),
+        ((k_new, v_new.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "last dim"),
+    ]
+    for new_kv, exc, match in bad_new_kv:
+        with pytest.raises(exc, match=match):
+            paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
+                                    case.kv_lens, case.query_start_loc, None, None, out,
+                                    new_kv=new_kv)
 
 
 # ------------------------------------------------------------------------ GPU, real shapes
@@ -634,6 +719,13 @@ def test_gpu_prefill(dtype, heads, head_dim, block_size, window):
     case = make_case(q_lens, kv_lens, heads[0], heads[1], head_dim, block_size, dtype)
     out = run_prefill(case, window=window, max_query_len=max(q_lens))
     ref = reference_prefill(case, 1 / math.sqrt(head_dim), window, torch.float32)
+    assert_close(out, ref)
+    # The fresh sequences read from the new rows (TMA), their cache slots poisoned.
+    new_kv = new_kv_rows(case, strided=True)
+    poison_new_slots_of_fresh_sequences(case)
+    out = torch.full_like(case.q, float("nan"))
+    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                            case.query_start_loc, None, window, out, max(q_lens), new_kv=new_kv)
     assert_close(out, ref)
 
 
@@ -692,6 +784,18 @@ def test_gpu_prefill_variants(dtype, heads, block_size, window):
     for config in GPU_PREFILL_CONFIGS:
         out = _launch_prefill(case, config, d ** -0.5, window)
         assert_close(out, ref)
+    # The new-keys path of each variant, by TMA and by pointers (cache slots of the fresh
+    # sequences poisoned from here on).
+    new_kv = new_kv_rows(case)
+    poison_new_slots_of_fresh_sequences(case)
+    for config in GPU_PREFILL_CONFIGS:
+        for tma in (True, False):
+            out = torch.full_like(case.q, float("nan"))
+            attention_prefill.launch_prefill(
+                case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                case.query_start_loc, d ** -0.5, window, out,
+                dataclasses.replace(config, tma=tma), new_kv)
+            assert_close(out, ref)
 
 
 @pytest.mark.gpu

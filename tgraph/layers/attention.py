@@ -103,7 +103,7 @@ class Attention(Module):
         q, k = F.rope(q, k, meta.cos, meta.sin)
         k_cache, v_cache = F.reshape_and_cache(k, v, *meta.kv_caches[self.layer_idx], meta.slots)
         out = attend(self.backend, q, k_cache, v_cache, meta, scale=self.scale,
-                     sliding_window=self.sliding_window)
+                     sliding_window=self.sliding_window, new_kv=(k, v))
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
     def extra_repr(self) -> str:

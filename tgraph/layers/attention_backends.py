@@ -31,13 +31,16 @@ AttendFn = Callable[..., Tensor]
 
 
 def _paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _Meta, *, scale: float,
-           sliding_window: int | None) -> Tensor:
+           sliding_window: int | None, new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+    if meta.query_start_loc is None:
+        new_kv = None  # decode reads one new key per sequence: nothing to gain
     return F.paged_attention(q, k_cache, v_cache, meta.block_table, meta.kv_lens,
-                             meta.query_start_loc, scale=scale, sliding_window=sliding_window)
+                             meta.query_start_loc, scale=scale, sliding_window=sliding_window,
+                             new_kv=new_kv)
 
 
 def _sdpa_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _Meta, *, scale: float,
-                  sliding_window: int | None) -> Tensor:
+                  sliding_window: int | None, new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     if meta.query_start_loc is None:  # decode: one query per sequence, the paged kernel wins
         return _paged(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
     return F.sdpa_attention(q, k_cache, v_cache, meta.block_table, meta.kv_lens,
@@ -59,7 +62,8 @@ def check_backend(backend: str) -> None:
 
 
 def attend(backend: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _Meta, *,
-           scale: float, sliding_window: int | None = None) -> Tensor:
+           scale: float, sliding_window: int | None = None,
+           new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Record the attention of ``q`` over the (already written) paged cache with ``backend``.
 
     Args:
@@ -69,9 +73,11 @@ def attend(backend: str, q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _Met
         meta: the batch's attention metadata (block table, kv lengths, query starts).
         scale: softmax scale.
         sliding_window: attend only the last ``sliding_window`` positions.
+        new_kv: the ``(k, v)`` just written to the cache, ``[tokens, kv_heads, head_dim]``; a
+            backend may read a prefill's keys from them instead of the cache.
 
     Returns:
         ``[tokens, q_heads, head_dim]``.
     """
     return BACKENDS[backend](q, k_cache, v_cache, meta, scale=scale,
-                             sliding_window=sliding_window)
+                             sliding_window=sliding_window, new_kv=new_kv)

@@ -581,7 +581,8 @@ def reshape_and_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, sl
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
                     kv_lens: Tensor, query_start_loc: Tensor | None = None, *,
-                    scale: float | None = None, sliding_window: int | None = None) -> Tensor:
+                    scale: float | None = None, sliding_window: int | None = None,
+                    new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal attention of q over keys/values in the paged cache.
 
     Args:
@@ -594,11 +595,20 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         query_start_loc: ``[batch + 1]`` int32 cumulative query counts, for packed queries.
         scale: softmax scale, ``head_dim ** -0.5`` by default.
         sliding_window: attend only the last ``sliding_window`` positions (Mistral).
+        new_kv: packed queries only: ``(k, v)``, ``[tokens, kv_heads, head_dim]``, the keys and
+            values this step wrote to the cache, in query order. The result is the same; the
+            GPU kernel reads a sequence without cached context from them (contiguous rows)
+            instead of gathering its pages.
     Returns:
         ``[tokens, q_heads, head_dim]`` in q's dtype.
     """
-    return _one("paged_attention", [q, k_cache, v_cache, block_table, kv_lens, query_start_loc],
-                scale=scale, sliding_window=sliding_window)
+    inputs = [q, k_cache, v_cache, block_table, kv_lens, query_start_loc]
+    if new_kv is not None:
+        if query_start_loc is None:
+            raise ValueError("paged_attention: new_kv is for packed queries (prefill), "
+                             "it needs query_start_loc")
+        inputs += list(new_kv)
+    return _one("paged_attention", inputs, scale=scale, sliding_window=sliding_window)
 
 
 def sdpa_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,

@@ -21,23 +21,28 @@ def _check(m: Match) -> bool:
     return all(t.dtype is not None and t.dtype.is_floating_point for t in (q, k, v))
 
 
-def _make(interleaved: bool) -> Pattern:
+def _make(interleaved: bool, keep_k: bool) -> Pattern:
     def pattern(q, k, v, cos, sin, k_cache, v_cache, slots):
         q_rot, k_rot = F.rope(q, k, cos, sin, interleaved=interleaved)
         kc, vc = F.reshape_and_cache(k_rot, v, k_cache, v_cache, slots)
-        return q_rot, kc, vc
+        return (q_rot, kc, vc, k_rot) if keep_k else (q_rot, kc, vc)
 
     def replacement(q, k, v, cos, sin, k_cache, v_cache, slots):
         return F.record("rope_cache", [q, k, v, cos, sin, k_cache, v_cache, slots],
-                        interleaved=interleaved)
+                        interleaved=interleaved, **({"keep_k": True} if keep_k else {}))
 
-    return Pattern(f"rope_cache_{'interleaved' if interleaved else 'half'}", pattern, replacement,
-                   extra_check=_check)
+    name = f"rope_cache_{'interleaved' if interleaved else 'half'}{'_keep_k' if keep_k else ''}"
+    return Pattern(name, pattern, replacement, extra_check=_check)
 
 
 class RopeCache(PatternPass):
+    """Rotary embedding + cache write -> ``rope_cache``. The patterns without the rotated k as
+    an output come first; the ``keep_k`` ones then take the matches where something else (a
+    prefill attention reading the new keys) still reads the rotated k."""
+
     def __init__(self) -> None:
-        super().__init__("RopeCache", [_make(False), _make(True)])
+        super().__init__("RopeCache", [_make(False, False), _make(True, False),
+                                       _make(False, True), _make(True, True)])
 
 
 class RopeAttention(Pass):

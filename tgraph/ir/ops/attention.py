@@ -103,7 +103,8 @@ register_op("reshape_and_cache", infer=_cache_infer, reference=reshape_and_cache
 
 
 def _attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, kv_lens: Meta,
-                     query_start_loc: Meta | None = None, *, scale: float | None = None,
+                     query_start_loc: Meta | None = None, k_new: Meta | None = None,
+                     v_new: Meta | None = None, *, scale: float | None = None,
                      sliding_window: int | None = None) -> Meta:
     require_rank(q, 3, "paged_attention q ([tokens, q_heads, head_dim])")
     require_float(q, "paged_attention q")
@@ -127,12 +128,28 @@ def _attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, k
         require(hq % hk == 0, f"q heads ({hq}) must be a multiple of kv heads ({hk})")
     require(not dims_conflict(dim_of(q, 2), dim_of(k_cache, 3)),
             f"q {q} and k_cache {k_cache} disagree on head_dim")
+    require((k_new is None) == (v_new is None), "paged_attention: give both k_new and v_new or neither")
+    if k_new is not None:
+        require(query_start_loc is not None, "paged_attention: k_new/v_new need query_start_loc (prefill)")
+        for m, what in ((k_new, "k_new"), (v_new, "v_new")):
+            require_rank(m, 3, f"paged_attention {what} ([tokens, kv_heads, head_dim])")
+            require(m.dtype is None or k_cache.dtype is None or m.dtype == k_cache.dtype,
+                    f"paged_attention {what} {m} must have the cache's dtype {k_cache.dtype}")
+            require(not dims_conflict(dim_of(m, 0), dim_of(q, 0))
+                    and not dims_conflict(dim_of(m, 1), dim_of(k_cache, 2))
+                    and not dims_conflict(dim_of(m, 2), dim_of(k_cache, 3)),
+                    f"paged_attention {what} {m} must be [tokens of q {q}, kv_heads, head_dim] "
+                    f"of k_cache {k_cache}")
     return Meta(q.shape, q.dtype)
 
 
-def paged_attention_reference(q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None, *,
-                              scale=None, sliding_window=None):
-    """Naive attention per sequence over keys gathered from the paged cache, in fp32."""
+def paged_attention_reference(q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None,
+                              k_new=None, v_new=None, *, scale=None, sliding_window=None):
+    """Naive attention per sequence over keys gathered from the paged cache, in fp32.
+
+    ``k_new``/``v_new`` are not read: they repeat what the cache holds (the contract of the op),
+    so an engine that feeds the kernel wrong rows differs from this reference.
+    """
     _, block_size, kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // kv_heads
     scale = head_dim ** -0.5 if scale is None else scale

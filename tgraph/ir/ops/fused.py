@@ -56,21 +56,24 @@ register_op("swiglu", infer=_swiglu_infer, reference=swiglu_reference, category=
             doc="silu(gate) * up on a packed [..., 2n] gate|up tensor")
 
 
-def _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False):
+def _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False,
+                      keep_k=False):
     q_out, k_out = attn_ops._rope_infer(q, k, cos, sin, interleaved=interleaved)
     kc, vc = attn_ops._cache_infer(k_out, v, k_cache, v_cache, slots)
-    return q_out, kc, vc
+    return (q_out, kc, vc, k_out) if keep_k else (q_out, kc, vc)
 
 
-def rope_cache_reference(q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False):
+def rope_cache_reference(q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False,
+                         keep_k=False):
     q_rot, k_rot = attn_ops.rope_reference(q, k, cos, sin, interleaved=interleaved)
     kc, vc = attn_ops.reshape_and_cache_reference(k_rot, v, k_cache, v_cache, slots)
-    return q_rot, kc, vc
+    return (q_rot, kc, vc, k_rot) if keep_k else (q_rot, kc, vc)
 
 
 register_op("rope_cache", infer=_rope_cache_infer, reference=rope_cache_reference,
-            category=OpCategory.FUSED, view_of=(None, 5, 6), mutates=(5, 6),
-            doc="rope(q, k) and the write of rotated k and v into the paged cache, in one kernel")
+            category=OpCategory.FUSED, view_of=(None, 5, 6, None), mutates=(5, 6),
+            doc="rope(q, k) and the write of rotated k and v into the paged cache, in one kernel; "
+                "with keep_k the rotated k is also a fourth output (a prefill attention reads it)")
 
 
 def _rope_cache_attention_infer(q, k, v, cos, sin, k_cache, v_cache, slots, block_table, kv_lens,

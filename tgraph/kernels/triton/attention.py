@@ -151,6 +151,7 @@ def paged_attention_prefill(
     sliding_window: int | None,
     out: torch.Tensor,
     max_query_len: int | None = None,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Causal varlen attention of packed queries against a paged KV cache (prefill / chunked).
 
@@ -170,11 +171,18 @@ def paged_attention_prefill(
         sliding_window: None, or W >= 1 (a query sees the W most recent keys, itself included).
         out: ``[T, Hq, D]`` in q's dtype; written, never allocated.
         max_query_len: optional host-known longest ``q_len``; lets short chunks use smaller tiles.
+        new_kv: optional ``(k, v)``, each ``[T, Hk, D]`` in the cache's dtype: the keys and
+            values this step wrote to the cache, in query order (row ``i`` belongs to query row
+            ``i``). Sequences without cached context (``kv_lens[b] == q_len_b``) then read their
+            keys from these rows, contiguously (by TMA on Hopper) instead of through the page
+            table; the result is the same. Rows may be strided, the last dim contiguous.
 
     Returns:
         None; the result is in ``out``.
     """
     op = "paged_attention_prefill"
+    if new_kv is not None:
+        _check_new_kv(op, new_kv, q, k_cache)
     _check_attention_args(op, q, k_cache, v_cache, block_table, kv_lens, out, sliding_window)
     if not isinstance(query_start_loc, torch.Tensor):
         raise TypeError(f"{op}: query_start_loc must be a torch.Tensor")
@@ -197,8 +205,25 @@ def paged_attention_prefill(
     config = prefill_config(q.shape[2], max_query_len, q.device.type == "cuda", group)
     launch_prefill(
         q, k_cache, v_cache, block_table, kv_lens, query_start_loc, scale, sliding_window, out,
-        config,
+        config, new_kv,
     )
+
+
+def _check_new_kv(op: str, new_kv, q: torch.Tensor, k_cache: torch.Tensor) -> None:
+    if not (isinstance(new_kv, (tuple, list)) and len(new_kv) == 2):
+        raise TypeError(f"{op}: new_kv must be a (k, v) pair of tensors, got {type(new_kv).__name__}")
+    want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
+    for name, t in zip(("new k", "new v"), new_kv):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != want:
+            raise ValueError(f"{op}: {name} must be [T, Hk, D] = {list(want)}, got {list(t.shape)}")
+        if t.dtype != k_cache.dtype:
+            raise TypeError(f"{op}: {name} must have the cache's dtype {k_cache.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device}, q on {q.device}")
+        if t.numel() and t.stride(2) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous in its last dim (stride 1)")
 
 
 def paged_attention_decode(

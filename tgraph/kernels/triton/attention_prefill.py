@@ -33,10 +33,16 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 # NOTE: softmax runs in base 2 (exp2 is a single MUFU instruction); scores are pre-multiplied
 # by log2(e) together with the user's scale, so results equal the natural-base softmax.
 LOG2E = 1.4426950408889634
+
+# Where attend_paged_keys reads keys and values (its KEYS switch).
+PAGED: tl.constexpr = tl.constexpr(0)
+CONTIGUOUS: tl.constexpr = tl.constexpr(1)
+DESCRIPTORS: tl.constexpr = tl.constexpr(2)
 
 
 @dataclass(frozen=True)
@@ -57,6 +63,10 @@ class PrefillConfig:
             causal diagonal and the window edge (a uniform branch). False: three loops (window
             edge, unmasked middle, diagonal), the middle one free of mask code, but each loop
             fills and drains its own K/V pipeline, an exposed memory latency per program.
+        tma: read the step's new keys (``new_kv``) with TMA tensor descriptors where the GPU
+            and the tensors' strides allow it (else with pointers).
+        new_kv_stages: pipeline depth of the loops over the new keys (contiguous rows, no
+            page-id loads, so a deeper pipeline pays off).
     """
 
     block_m: int
@@ -66,6 +76,8 @@ class PrefillConfig:
     pack_gqa: bool = False
     prefetch_pages: bool = True
     single_loop: bool = True
+    tma: bool = True
+    new_kv_stages: int = 3
 
 
 def prefill_config(
@@ -93,7 +105,10 @@ def prefill_config(
         # packed and unpacked, page prefetch on and off, one loop or three) found no variant
         # faster than the three-loop, unpacked, no-prefetch schedule (305 TFLOP/s at 64 x 64 on
         # 4 warps, 2 stages; the best new one, packed 128 x 128 on 8 warps, 304): that stays
-        # the default. The other head dims keep their earlier (unswept) tiles.
+        # the default. The other head dims keep their earlier (unswept) tiles. The new-keys
+        # path (H200, 2026-11-22, 4 x 2048, 32/8 heads, docs/bench/h200-prefill-new-keys.txt): these
+        # tiles with a 3-deep pipeline over TMA-read keys, 408 TFLOP/s; GQA packing 414, one
+        # loop 302, pointers instead of TMA 359, 128-row tiles 334-354.
         pack = False
         if head_dim <= 64:
             tiles = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
@@ -145,9 +160,11 @@ def attend_paged_keys(
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr, FULL_RANGE: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, k_desc=None, v_desc=None, desc_row=0, desc_col=0,
+    KEYS: tl.constexpr = PAGED, STAGES: tl.constexpr = None,
 ):
-    """Online-softmax update of query rows with the keys ``[lo, hi)`` read through a page table.
+    """Online-softmax update of query rows with the keys ``[lo, hi)``, read through a page table
+    (or, with ``KEYS``, from a contiguous ``[tokens, heads, D]`` tensor).
 
     Shared by the prefill and decode kernels (a jit helper is inlined, so this costs nothing).
     ``m_i`` is the running maximum of the *raw* scores; the scale (times log2 e) is applied
@@ -179,39 +196,54 @@ def attend_paged_keys(
             issued only one step ahead, right after the P@V MMA (checked in the TTGIR of
             Triton 3.6 and 3.9 for sm_90a).
         DOT_PRECISION: ``tl.dot`` input precision; UPCAST: see :func:`interpreter_needs_upcast`.
+        KEYS: where key ``j`` lives. ``PAGED``: the cache, through ``bt_row``. ``CONTIGUOUS``:
+            row ``j`` of ``k_base``/``v_base`` (already offset to the sequence's first key and
+            the KV head; row strides ``stride_ks``/``stride_vs``). ``DESCRIPTORS``: the same
+            rows read by TMA, row ``desc_row + j`` and column ``desc_col`` of the 2-D
+            ``[tokens, heads * D]`` tensor descriptors ``k_desc``/``v_desc`` (rows past the
+            tensor read as zeros; rows of the next sequence are finite and masked causally).
+        STAGES: software-pipeline depth of this loop (None: the kernel's ``num_stages``).
 
     Returns:
         The updated ``(acc, l_i, m_i)``.
     """
     offs_d = tl.arange(0, HEAD_DIM)
-    if PREFETCH:
-        first = lo + tl.arange(0, BLOCK_N)
-        page = tl.load(bt_row + (first // BLOCK_SIZE) * stride_btn, mask=first < hi, other=0)
-        # int64: page * stride can pass 2**31 elements in a large cache.
-        page = page.to(tl.int64)
-    for start_n in range(lo, hi, BLOCK_N):
+    if KEYS == PAGED:
+        if PREFETCH:
+            first = lo + tl.arange(0, BLOCK_N)
+            page = tl.load(bt_row + (first // BLOCK_SIZE) * stride_btn, mask=first < hi, other=0)
+            # int64: page * stride can pass 2**31 elements in a large cache.
+            page = page.to(tl.int64)
+    for start_n in tl.range(lo, hi, BLOCK_N, num_stages=STAGES):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         if MASKED:
             kv_mask = offs_n < hi
-        if not PREFETCH:
-            if MASKED:
-                page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=kv_mask, other=0)
-            else:
-                page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn)
-            page = page.to(tl.int64)
-        slot = offs_n % BLOCK_SIZE
-        k_rows = page * stride_kb + slot * stride_ks
-        v_rows = page * stride_vb + slot * stride_vs
-        if PREFETCH:
-            # Past the end the ids are masked to page 0: a valid address, and never read.
-            nxt = offs_n + BLOCK_N
-            page = tl.load(bt_row + (nxt // BLOCK_SIZE) * stride_btn, mask=nxt < hi, other=0)
-            page = page.to(tl.int64)
-        k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
-        if MASKED:
-            k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)
+        if KEYS == PAGED:
+            if not PREFETCH:
+                if MASKED:
+                    page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=kv_mask, other=0)
+                else:
+                    page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn)
+                page = page.to(tl.int64)
+            slot = offs_n % BLOCK_SIZE
+            k_rows = page * stride_kb + slot * stride_ks
+            v_rows = page * stride_vb + slot * stride_vs
+            if PREFETCH:
+                # Past the end the ids are masked to page 0: a valid address, and never read.
+                nxt = offs_n + BLOCK_N
+                page = tl.load(bt_row + (nxt // BLOCK_SIZE) * stride_btn, mask=nxt < hi, other=0)
+                page = page.to(tl.int64)
         else:
-            k = tl.load(k_ptrs)
+            k_rows = offs_n.to(tl.int64) * stride_ks
+            v_rows = offs_n.to(tl.int64) * stride_vs
+        if KEYS == DESCRIPTORS:
+            k = k_desc.load([desc_row + start_n, desc_col])
+        else:
+            k_ptrs = k_base + k_rows[:, None] + offs_d[None, :]
+            if MASKED:
+                k = tl.load(k_ptrs, mask=kv_mask[:, None], other=0.0)
+            else:
+                k = tl.load(k_ptrs)
         if UPCAST:  # see interpreter_needs_upcast (inline: a jit call per tile is slow there)
             qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
@@ -237,11 +269,18 @@ def attend_paged_keys(
         p = tl.math.exp2(qk * qk_scale - (m_sub * qk_scale)[:, None])
         alpha = tl.math.exp2((m_i - m_sub) * qk_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
+        if KEYS == DESCRIPTORS:
+            v = v_desc.load([desc_row + start_n, desc_col])
+            if MASKED:
+                # Rows past the sequence belong to the next one (or are zero fill): p is 0
+                # there, but 0 * inf would be NaN, so they are zeroed like a masked load.
+                v = tl.where(kv_mask[:, None], v, 0.0)
         else:
-            v = tl.load(v_ptrs)
+            v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+            if MASKED:
+                v = tl.load(v_ptrs, mask=kv_mask[:, None], other=0.0)
+            else:
+                v = tl.load(v_ptrs)
         acc = acc * alpha[:, None]
         if UPCAST:
             p_mma = p.to(v.dtype).to(tl.float32)  # keep the MMA operand's rounding
@@ -252,16 +291,61 @@ def attend_paged_keys(
     return acc, l_i, m_i
 
 
+@triton.jit
+def _attend_ranges(
+    acc, l_i, m_i, q, pos, k_base, v_base, bt_row, key_lo, mid_lo, mid_hi, key_hi, window,
+    qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PREFETCH: tl.constexpr, SINGLE_LOOP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, k_desc, v_desc, desc_row, desc_col,
+    KEYS: tl.constexpr, STAGES: tl.constexpr,
+):
+    """All keys of a query tile: ``[key_lo, mid_lo)`` at the window edge (masked),
+    ``[mid_lo, mid_hi)`` seen by every row (no mask) and ``[mid_hi, key_hi)`` at the causal
+    diagonal (masked); keys are read as ``KEYS`` says (see :func:`attend_paged_keys`)."""
+    if SINGLE_LOOP:
+        # One software pipeline over all keys; only the steps outside [mid_lo, mid_hi) mask.
+        acc, l_i, m_i = attend_paged_keys(
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, key_lo, key_hi, mid_lo, mid_hi,
+            window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, True, HAS_WINDOW, PREFETCH,
+            DOT_PRECISION, UPCAST, k_desc, v_desc, desc_row, desc_col, KEYS, STAGES,
+        )
+    else:
+        # Three loops, the middle one free of mask code; each drains its pipeline at its end.
+        if HAS_WINDOW:
+            acc, l_i, m_i = attend_paged_keys(
+                acc, l_i, m_i, q, pos, k_base, v_base, bt_row, key_lo, mid_lo, key_lo, key_lo,
+                window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, True, HAS_WINDOW, PREFETCH,
+                DOT_PRECISION, UPCAST, k_desc, v_desc, desc_row, desc_col, KEYS, STAGES,
+            )
+        acc, l_i, m_i = attend_paged_keys(
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, mid_lo, mid_hi, mid_lo, mid_hi,
+            window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, True, HAS_WINDOW, PREFETCH,
+            DOT_PRECISION, UPCAST, k_desc, v_desc, desc_row, desc_col, KEYS, STAGES,
+        )
+        acc, l_i, m_i = attend_paged_keys(
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, mid_hi, key_hi, mid_hi, mid_hi,
+            window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, True, HAS_WINDOW, PREFETCH,
+            DOT_PRECISION, UPCAST, k_desc, v_desc, desc_row, desc_col, KEYS, STAGES,
+        )
+    return acc, l_i, m_i
+
+
 @triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, kv_lens_ptr, qsl_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, kv_lens_ptr, qsl_ptr, kn_ptr, vn_ptr, kn_desc, vn_desc,
     num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-    stride_ot, stride_oh, stride_btb, stride_btn,
+    stride_ot, stride_oh, stride_btb, stride_btn, stride_knt, stride_knh, stride_vnt, stride_vnh,
     GROUP: tl.constexpr, HEADS: tl.constexpr, BLOCK_P: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_WINDOW: tl.constexpr, PREFETCH: tl.constexpr, SINGLE_LOOP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr, NEW_KV: tl.constexpr,
+    NEW_STAGES: tl.constexpr,
 ):
     # Reversed so the last tiles of each sequence (the most keys, causally) start first and the
     # cheap ones fill the tail of the launch.
@@ -328,34 +412,27 @@ def _prefill_kernel(
         mid_lo = 0
     mid_hi = tl.maximum(mid_lo, full_hi)
 
-    if SINGLE_LOOP:
-        # One software pipeline over all keys; only the steps outside [mid_lo, mid_hi) mask.
-        acc, l_i, m_i = attend_paged_keys(
-            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, key_lo, key_hi, mid_lo, mid_hi,
-            window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, True, True, HAS_WINDOW, PREFETCH,
-            DOT_PRECISION, UPCAST,
+    # A sequence without cached context has exactly the step's new k/v rows
+    # [q_start, q_start + q_len) as keys: read contiguously (by TMA with DESCRIPTORS).
+    use_new = ctx_len == 0
+    if NEW_KV == PAGED:
+        use_new = False  # a compile-time False: only the paged branch is emitted
+    if use_new:
+        acc, l_i, m_i = _attend_ranges(
+            acc, l_i, m_i, q, pos,
+            kn_ptr + q_start.to(tl.int64) * stride_knt + kv_head * stride_knh,
+            vn_ptr + q_start.to(tl.int64) * stride_vnt + kv_head * stride_vnh,
+            bt_row, key_lo, mid_lo, mid_hi, key_hi, window, qk_scale,
+            stride_btn, 0, stride_knt, 0, stride_vnt,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, HAS_WINDOW, PREFETCH, SINGLE_LOOP, DOT_PRECISION,
+            UPCAST, kn_desc, vn_desc, q_start, kv_head * HEAD_DIM, NEW_KV, NEW_STAGES,
         )
     else:
-        # Three loops, the middle one free of mask code; each drains its pipeline at its end.
-        if HAS_WINDOW:
-            acc, l_i, m_i = attend_paged_keys(
-                acc, l_i, m_i, q, pos, k_base, v_base, bt_row, key_lo, mid_lo, key_lo, key_lo,
-                window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
-                HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, True, HAS_WINDOW, PREFETCH,
-                DOT_PRECISION, UPCAST,
-            )
-        acc, l_i, m_i = attend_paged_keys(
-            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, mid_lo, mid_hi, mid_lo, mid_hi,
+        acc, l_i, m_i = _attend_ranges(
+            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, key_lo, mid_lo, mid_hi, key_hi,
             window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, False, False, True, HAS_WINDOW, PREFETCH,
-            DOT_PRECISION, UPCAST,
-        )
-        acc, l_i, m_i = attend_paged_keys(
-            acc, l_i, m_i, q, pos, k_base, v_base, bt_row, mid_hi, key_hi, mid_hi, mid_hi,
-            window, qk_scale, stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
-            HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, True, HAS_WINDOW, PREFETCH,
-            DOT_PRECISION, UPCAST,
+            HEAD_DIM, BLOCK_SIZE, BLOCK_N, HAS_WINDOW, PREFETCH, SINGLE_LOOP, DOT_PRECISION,
+            UPCAST, None, None, 0, 0, PAGED, None,
         )
 
     # Every valid row sees at least its own key, so l_i > 0 there; the guard keeps rows of a
@@ -377,12 +454,13 @@ def launch_prefill(
     sliding_window: int | None,
     out: torch.Tensor,
     config: PrefillConfig,
+    new_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Launch the prefill kernel on arguments already checked by the public wrapper.
 
     Args:
-        q, k_cache, v_cache, block_table, kv_lens, query_start_loc, scale, sliding_window, out:
-            see :func:`tgraph.kernels.triton.attention.paged_attention_prefill`.
+        q, k_cache, v_cache, block_table, kv_lens, query_start_loc, scale, sliding_window, out,
+        new_kv: see :func:`tgraph.kernels.triton.attention.paged_attention_prefill`.
         config: tile sizes from :func:`prefill_config`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
@@ -395,13 +473,22 @@ def launch_prefill(
     block_p = config.block_m // heads
     # Shape-only grid: sum over seqs of cdiv(q_len, BLOCK_P) <= T // BLOCK_P + B.
     grid = (num_tokens // block_p + num_seqs, num_q_heads // heads)
+    if new_kv is None:
+        keys, k_new, v_new, k_desc, v_desc = PAGED, k_cache, v_cache, None, None
+    else:
+        k_new, v_new = new_kv
+        keys = DESCRIPTORS if config.tma and _tma_ok(k_new, v_new) else CONTIGUOUS
+        k_desc = _row_descriptor(k_new, config.block_n) if keys == DESCRIPTORS else None
+        v_desc = _row_descriptor(v_new, config.block_n) if keys == DESCRIPTORS else None
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_table, kv_lens, query_start_loc,
+        q, k_cache, v_cache, out, block_table, kv_lens, query_start_loc, k_new, v_new,
+        k_desc, v_desc,
         num_seqs, scale * LOG2E, sliding_window if sliding_window is not None else 0,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1), block_table.stride(0), block_table.stride(1),
+        k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         GROUP=group,
         HEADS=heads,
         BLOCK_P=block_p,
@@ -414,9 +501,33 @@ def launch_prefill(
         SINGLE_LOOP=config.single_loop,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         UPCAST=interpreter_needs_upcast(q.dtype),
+        NEW_KV=keys,
+        NEW_STAGES=config.new_kv_stages,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Whether TMA can read ``[T, H, D]`` tensors as 2-D ``[T, H * D]`` row tiles: heads packed
+    (head stride D), 16-byte aligned base and row stride, and a Hopper or later GPU (the
+    Triton interpreter also runs descriptors)."""
+    for t in tensors:
+        _, heads, d = t.shape
+        if t.stride(2) != 1 or (heads > 1 and t.stride(1) != d):
+            return False
+        if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
+            return False
+    t = tensors[0]
+    if t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        return torch.cuda.get_device_capability(t.device)[0] >= 9
+    return True
+
+
+def _row_descriptor(t: torch.Tensor, block_rows: int) -> TensorDescriptor:
+    """TMA descriptor of ``[T, H, D]`` as ``[T, H * D]`` with ``[block_rows, D]`` tiles."""
+    tokens, heads, d = t.shape
+    return TensorDescriptor(t, [tokens, heads * d], [t.stride(0), 1], [block_rows, d])
 
 
 __all__ = [
