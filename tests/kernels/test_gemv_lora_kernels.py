@@ -168,14 +168,16 @@ def test_choose_config_splits_evenly_and_fills_the_gpu_above_m1():
             per_split = -(-k_blocks // split_k)
             # Every split has the same number of K blocks, none empty.
             assert (split_k - 1) * per_split < k_blocks <= split_k * per_split
-            assert block_k % 16 == 0 and block_n % 8 == 0 and num_warps in (1, 2, 4, 8)
+            assert block_k % 16 == 0 and block_n & (block_n - 1) == 0 and num_warps in (1, 2, 4, 8)
             if M == 1:
-                # Measured on an H200: 1024-wide K tiles, no split-K (see choose_config).
+                # Measured on an H200 with cold weights: 1024-wide K tiles, no split-K (see choose_config).
                 assert split_k == 1 and block_k == min(1024, K)
                 continue
             n_programs = -(-N // block_n) * split_k
-            # Either the column blocks alone fill 132 SMs or split-K brings it to >= 1 wave.
-            assert n_programs >= 132 or split_k == k_blocks, (M, N, K, n_programs)
+            # Either the column blocks alone fill the 132 SMs (half of them for 16-row tensor-core
+            # tiles, one resident program each) or split-K brings it there.
+            wave = 66 if M > 4 else 132
+            assert n_programs >= wave or split_k == k_blocks, (M, N, K, n_programs)
     assert choose_config(2, 2048, 8192, "cpu")[2] > 1
     assert choose_config(1, 128256, 2048, "cpu")[2] == 1
 

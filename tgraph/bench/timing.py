@@ -73,3 +73,31 @@ def measure_ceilings() -> Ceilings:
     ms = time_ms(lambda: a @ b, warmup=3, iters=20)
     tflops = 2 * 8192 ** 3 / (ms * 1e-3) / 1e12
     return Ceilings(copy, tflops)
+
+
+_COLD_BYTES = 256 << 20  # weight bytes one cold chain reads: several times any L2 (50-60 MB)
+_MAX_COLD_CHAIN = 64
+
+
+def cold_copies(shape: tuple[int, ...], dtype: torch.dtype = torch.bfloat16) -> list[torch.Tensor]:
+    """Random CUDA tensors of ``shape``, enough of them to pass 256 MB (2 to 64 copies).
+
+    A decode step streams gigabytes of weights, so no linear finds its weight in L2; timing one
+    weight again and again would measure L2 for every weight under ~50 MB. Time a call per copy
+    with :func:`cold_ms` instead.
+    """
+    nbytes = dtype.itemsize
+    for dim in shape:
+        nbytes *= dim
+    count = max(2, min(_MAX_COLD_CHAIN, -(-_COLD_BYTES // max(nbytes, 1))))
+    return [torch.randn(shape, device="cuda", dtype=dtype) for _ in range(count)]
+
+
+def cold_ms(fn: Callable[[torch.Tensor], object], copies: list[torch.Tensor],
+            iters: int = 10) -> float:
+    """Device milliseconds per call of ``fn(copy)``: one CUDA graph calls it on every copy in
+    turn, so each call reads its operand from HBM and the graph launch is spread over the chain."""
+    def chain():
+        for c in copies:
+            fn(c)
+    return time_ms(chain, warmup=2, iters=iters, graph=True) / len(copies)

@@ -61,6 +61,16 @@ _REDUCE_BLOCK_N = 1024
 # Largest M that prefer_small_m sends to this kernel; TGRAPH_SMALL_M_MAX overrides it (read once,
 # for A/B measurements of whole decode steps).
 _SMALL_M_MAX = int(os.environ.get("TGRAPH_SMALL_M_MAX", "4"))
+# Launch parameters at M = 1 and at 16-row blocks, measured with cold weights on an H200
+# (tgraph.bench.tune_gemv, docs/bench/h200-gemv-tune-cold*.json|txt); module constants so that
+# tgraph.bench.ab can compare whole decode steps with other values (docs/bench/h100-ab-gemv.txt:
+# the M=1 values below against the earlier 16/8 rows and 2 stages, Llama-3.2-1B batch 1 1.02 vs
+# 1.07 ms per replay, Qwen2.5-0.5B 0.61 vs 0.68).
+_M1_BLOCK_N = 4            # output rows per program
+_M1_GATED_BLOCK_N = 2      # a gated gate|up program reads two weight rows per output column
+_M1_STAGES = 3
+_M16_BLOCK_K = 256
+_M16_STAGES = 4
 
 
 @triton.jit
@@ -292,8 +302,10 @@ def prefer_small_m(M: int, N: int, K: int) -> bool:
     Returns:
         True when the small-M kernel is the better choice.
     """
-    # Measured on an H200 (tgraph.bench.tune_gemv, 2026-11-21): at M=1 the tuned kernel beats
-    # cuBLAS on every Llama/Qwen linear; at M=16 cuBLAS ties or wins, so it takes M > 4.
+    # Measured (tgraph.bench.tune_gemv, H200): at M=1 the tuned kernel beats cuBLAS on every
+    # Llama/Qwen linear. At M=16 the plain kernel is up to 20% faster in isolation, but a whole
+    # Llama-3.2-1B batch-16 step with this kernel (and its norm/SwiGLU/residual fusions) took
+    # 1.74 ms against 1.38 ms with cuBLAS (tgraph.bench.ab, H100, 2026-11-22), so cuBLAS takes M > 4.
     return 1 <= M <= _SMALL_M_MAX and N >= 16 and K >= 16
 
 
@@ -319,25 +331,32 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
     block_m = _block_m(M)
     k_pow2 = triton.next_power_of_2(max(K, 16))
     if block_m == 1:
-        # Sweep on an H200: 1024-wide K tiles and no split-K were best at every model shape
-        # (8 rows of output per program for narrow outputs, 16 otherwise).
-        block_n = 8 if N <= 2048 else 16
-        if gated:
-            block_n //= 2
+        # Cold-weight sweep on an H200 (tgraph.bench.tune_gemv, 2026-11-22,
+        # docs/bench/h200-gemv-tune-cold.json): 1024-wide K tiles, no split-K and 4 output rows
+        # per program (more programs, more weight bytes in flight) were best or within 3% at
+        # every Llama-3.2-1B / Qwen2.5-0.5B shape.
+        block_n = _M1_GATED_BLOCK_N if gated else _M1_BLOCK_N
         block_k = min(1024, k_pow2)
         return block_n, max(block_k, 16), 1, 4
     elif block_m < 16:
         # The [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it at 8K elements.
         block_n, block_k, num_warps = 16, min(512 // block_m, k_pow2), 4
     else:
-        block_n, block_k, num_warps = 32, min(128, k_pow2), 4
+        # 16 rows: 256-wide K tiles (128 for very long K, which splits instead), narrow outputs
+        # in 16-column blocks so that every SM gets a program (cold-weight sweep at M=16,
+        # docs/bench/h200-gemv-tune-cold-m16.txt).
+        block_k = min(_M16_BLOCK_K if K < 8192 else 128, k_pow2)
+        block_n = 16 if N <= 2048 and K < 8192 else 32
+        num_warps = 4
     block_k = max(block_k, 16)
 
     n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     k_blocks = triton.cdiv(K, block_k)
-    target = _PROGRAMS_PER_SM * _sm_count(device)
+    # Tensor-core tiles of 16 rows keep enough bytes in flight with one program per SM; the
+    # narrower tiles want several.
+    target = _sm_count(device) if block_m >= 16 else _PROGRAMS_PER_SM * _sm_count(device)
     split_k = 1
-    if n_blocks < target and k_blocks > 1:
+    if n_blocks < (target // 2 if block_m >= 16 else target) and k_blocks > 1:
         want = min(triton.cdiv(target, n_blocks), k_blocks, _MAX_SPLIT_K)
         # Even distribution of K blocks: a split never gets a short or empty range.
         per_split = triton.cdiv(k_blocks, want)
@@ -468,7 +487,12 @@ def small_m_linear(
     block_m = _block_m(M)
     grid_m = triton.cdiv(M, block_m)
     if num_stages is None:
-        num_stages = 3 if block_m >= 16 or K >= 4096 else 2
+        if block_m == 1:
+            num_stages = _M1_STAGES
+        elif block_m >= 16:
+            num_stages = _M16_STAGES
+        else:
+            num_stages = 3 if K >= 4096 else 2
     pdl = pdl_kwargs(x)
     dummy = out  # stands in for absent optional pointers (never read)
     common = dict(
