@@ -785,7 +785,10 @@ def test_gpu_prefill_variants(dtype, heads, block_size, window):
         out = _launch_prefill(case, config, d ** -0.5, window)
         assert_close(out, ref)
     # The new-keys path of each variant, by TMA and by pointers (cache slots of the fresh
-    # sequences poisoned from here on).
+    # sequences poisoned from here on). Fresh sequences read no pages, so one block size covers
+    # it (compiles dominate this test: 15 kernels per parameter set, ~30 s on an H100).
+    if block_size != 16:
+        return
     new_kv = new_kv_rows(case)
     poison_new_slots_of_fresh_sequences(case)
     for config in GPU_PREFILL_CONFIGS:
