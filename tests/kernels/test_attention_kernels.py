@@ -286,11 +286,11 @@ def new_kv_rows(case: PagedCase, strided: bool = False) -> tuple[torch.Tensor, t
     Rows of sequences with cached context are NaN: the kernel must read those sequences from
     the cache. ``strided``: k and v are views of one wider (qkv-like) buffer.
     """
-    k0 = case.k_dense[0] if case.k_dense else case.k_cache[0, :0]
     heads, d = case.k_cache.shape[2], case.k_cache.shape[3]
     total = sum(case.q_lens)
     width = 3 * heads if strided else heads
-    buf_k = torch.full((total, width, d), float("nan"), dtype=k0.dtype, device=case.q.device)
+    buf_k = torch.full((total, width, d), float("nan"), dtype=case.k_cache.dtype,
+                       device=case.q.device)
     buf_v = buf_k.clone()
     k_new, v_new = (buf_k[:, heads:2 * heads], buf_v[:, 2 * heads:]) if strided else (buf_k, buf_v)
     for b, q_len in enumerate(case.q_lens):
@@ -344,7 +344,7 @@ def test_prefill_reads_new_keys_of_fresh_sequences(config, tma, window):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_prefill_new_keys_half_precision(dtype):
     case = make_case([40, 9], [40, 9], 8, 2, 32, 16, dtype)
-    ref = reference_prefill(case, None or 1 / math.sqrt(32), None)
+    ref = reference_prefill(case, 32 ** -0.5, None)
     k_new, v_new = new_kv_rows(case)
     poison_new_slots_of_fresh_sequences(case)
     out = torch.full_like(case.q, float("nan"))

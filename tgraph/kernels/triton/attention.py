@@ -181,9 +181,9 @@ def paged_attention_prefill(
         None; the result is in ``out``.
     """
     op = "paged_attention_prefill"
+    _check_attention_args(op, q, k_cache, v_cache, block_table, kv_lens, out, sliding_window)
     if new_kv is not None:
         _check_new_kv(op, new_kv, q, k_cache)
-    _check_attention_args(op, q, k_cache, v_cache, block_table, kv_lens, out, sliding_window)
     if not isinstance(query_start_loc, torch.Tensor):
         raise TypeError(f"{op}: query_start_loc must be a torch.Tensor")
     if query_start_loc.dtype != torch.int32:

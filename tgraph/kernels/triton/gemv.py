@@ -352,11 +352,15 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
 
     n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     k_blocks = triton.cdiv(K, block_k)
-    # Tensor-core tiles of 16 rows keep enough bytes in flight with one program per SM; the
-    # narrower tiles want several.
-    target = _sm_count(device) if block_m >= 16 else _PROGRAMS_PER_SM * _sm_count(device)
+    sms = _sm_count(device)
+    if block_m >= 16:
+        # Tensor-core tiles keep enough bytes in flight with one program per SM: split only
+        # below half a wave, up to one wave.
+        split_below, target = sms // 2, sms
+    else:
+        split_below = target = _PROGRAMS_PER_SM * sms
     split_k = 1
-    if n_blocks < (target // 2 if block_m >= 16 else target) and k_blocks > 1:
+    if n_blocks < split_below and k_blocks > 1:
         want = min(triton.cdiv(target, n_blocks), k_blocks, _MAX_SPLIT_K)
         # Even distribution of K blocks: a split never gets a short or empty range.
         per_split = triton.cdiv(k_blocks, want)
