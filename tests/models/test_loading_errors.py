@@ -114,7 +114,10 @@ def test_rotary_inv_freq_buffers_are_accepted(llama_copy, tiny_model):
     reference = load_tiny(tiny_model("llama").path)
     batches = [PagedBatcher.for_model(m) for m in (model, reference)]
     out = [m.run(b.step([b.add([4, 5, 6])])) for m, b in zip((model, reference), batches)]
-    assert torch.equal(out[0], out[1])
+    # Not bit-equal: the rewritten file places the weights at other offsets, and the CPU BLAS picks
+    # its kernel (so its fp32 summation order) by alignment; a few ulp of fp32 at most. Honouring
+    # the stored all-ones inv_freq would change the logits by O(1).
+    torch.testing.assert_close(out[0], out[1], rtol=1e-5, atol=1e-5)
 
 
 def test_pickle_checkpoint_is_refused_and_never_opened(llama_copy):
