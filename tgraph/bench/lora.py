@@ -325,6 +325,11 @@ def _print_profile(system: str, step: Callable[[], object], device: torch.device
     sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
     print(f"--- {system}: 20 steps by kernel")
     print(prof.key_averages().table(sort_by=sort, row_limit=20, max_name_column_width=60))
+    if device.type == "cuda":
+        from tgraph.bench.timeline import print_timeline, profile_step
+
+        print(f"--- {system}: one step, kernel by kernel")
+        print_timeline(profile_step(step), limit=None)
 
 
 # ---- reporting -----------------------------------------------------------------------------------

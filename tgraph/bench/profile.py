@@ -10,6 +10,7 @@ import argparse
 import torch
 
 from tgraph.bench.models import captured_decode, random_model, random_weights
+from tgraph.bench.timeline import print_timeline, profile_step
 from tgraph.bench.timing import host_ms, time_ms
 from tgraph.models.presets import preset
 
@@ -19,6 +20,8 @@ def main() -> None:
     parser.add_argument("preset")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--trace", help="write a Chrome trace")
+    parser.add_argument("--timeline", action="store_true",
+                        help="also print the replayed step kernel by kernel (tgraph.bench.timeline)")
     args = parser.parse_args()
     hf_config = preset(args.preset)
     model = random_model(hf_config, random_weights(hf_config, torch.bfloat16, "cuda"),
@@ -46,6 +49,8 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     if args.trace:
         prof.export_chrome_trace(args.trace)
+    if args.timeline:
+        print_timeline(profile_step(replay), limit=None)
 
 
 if __name__ == "__main__":
