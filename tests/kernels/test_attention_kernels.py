@@ -518,8 +518,13 @@ def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, comput
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rot_half, window, num_splits", [(8, None, 1), (8, 6, 3), (4, None, 3)],
                          ids=["full-s1", "window-s3", "partial-s3"])
+@pytest.mark.parametrize("early_kv", [True, False], ids=["early-kv", "kv-after-wait"])
 def test_decode_new_key_matches_rope_then_cache_then_attention(dtype, interleaved, rot_half,
-                                                                window, num_splits):
+                                                                window, num_splits, early_kv,
+                                                                monkeypatch):
+    # EARLY_KV: each split's first K/V tile is loaded apart from the loop (before the PDL wait
+    # on a GPU); both launch variants must give the same function.
+    monkeypatch.setattr(attention_decode, "EARLY_KV", early_kv)
     case, q_raw, q_rot, k_rot, nk = new_key_case([37, 1, 0, 16, 5], 4, 2, 16, 4, dtype,
                                                  rot_half, interleaved)
     check_new_key(case, q_raw, q_rot, k_rot, nk, window, num_splits, torch.float64)

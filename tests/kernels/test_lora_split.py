@@ -19,6 +19,7 @@ import torch
 
 from tests.helpers import capture_cuda_graph
 from tgraph.kernels.fast_lora import lora_shrink_concat_into
+from tgraph.kernels.triton import lora as lora_kernels
 from tgraph.kernels.triton.lora import (
     LORA_COUNTERS,
     lora_concat_splits,
@@ -99,9 +100,42 @@ def test_shrink_concat_matches_reference(dtype, T, splits):
     x, a, scaling, slots = _case(T, K, R, L, dtype, slots=slots[torch.randperm(T, device=DEV)])
     out = _nan((T, K + width), dtype)
     counters = new_lora_counters(DEV)
-    lora_shrink_concat(x, a, scaling, slots, out, counters, lead=lead, splits=splits)
+    lora_shrink_concat(x, a, scaling, slots, out, counters, lead=lead, splits=splits, rows=False)
     _check(out, x, a, scaling, slots, lead, width, dtype)
     assert not counters.any(), "the launch must leave its counters zeroed"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T", [1, 5, 16])
+@pytest.mark.parametrize("chunk_elems", [8192, 256], ids=["one-k-tile", "k-loop"])
+@pytest.mark.parametrize("R", [12, 1])
+def test_per_token_kernel_matches_reference(dtype, T, chunk_elems, R, monkeypatch):
+    # The decode path: one program per (token, rank chunk). K 600 in one 1024-wide tile (ranks
+    # in chunks of 8: two chunks for R 12), or in 256-wide tiles (chunks of one rank: the loop
+    # and its A tiles loaded after the wait). Lead 5 and 3 trailing pad columns, slot 3 unused.
+    monkeypatch.setattr(lora_kernels, "_ROWS_CHUNK_ELEMS", chunk_elems)
+    K, L, lead = 600, 5, 5
+    width = lead + (L - 1) * R + 3
+    slots = torch.tensor([[0, 1, 2, 4][i % 4] for i in range(T)], dtype=torch.int32, device=DEV)
+    x, a, scaling, slots = _case(T, K, R, L, dtype, slots=slots[torch.randperm(T, device=DEV)])
+    out = _nan((T, K + width), dtype)
+    lora_shrink_concat(x, a, scaling, slots, out, new_lora_counters(DEV), lead=lead, rows=True)
+    _check(out, x, a, scaling, slots, lead, width, dtype)
+
+
+def test_decode_batches_take_the_per_token_kernel(monkeypatch):
+    launched = []
+    monkeypatch.setattr(lora_kernels, "_launch_rows", lambda *args: launched.append(args[0].shape[0]))
+    T, K, R, L = 16, 64, 8, 3
+    x, a, scaling, slots = _case(T, K, R, L, torch.float32)
+    counters = new_lora_counters(DEV)
+    lora_shrink_concat(x, a, scaling, slots, _nan((T, K + 2 * R), torch.float32), counters)
+    assert launched == [16]
+    # Tile options (splits, config) and more than 64 tokens select the slot-tile kernel.
+    lora_shrink_concat(x, a, scaling, slots, _nan((T, K + 2 * R), torch.float32), counters, splits=2)
+    x, a, scaling, slots = _case(65, K, R, L, torch.float32)
+    lora_shrink_concat(x, a, scaling, slots, _nan((65, K + 2 * R), torch.float32), counters)
+    assert launched == [16]
 
 
 def test_two_launches_reuse_the_counters_and_are_bit_identical():
@@ -112,34 +146,37 @@ def test_two_launches_reuse_the_counters_and_are_bit_identical():
     counters = new_lora_counters(DEV)
     assert lora_concat_splits(T, K, R, L) > 1
     first = _nan((T, K + 3 * R), torch.float32)
-    lora_shrink_concat(x, a, scaling, slots, first, counters)
+    lora_shrink_concat(x, a, scaling, slots, first, counters, rows=False)
     assert not counters.any()
     second = _nan((T, K + 3 * R), torch.float32)
-    lora_shrink_concat(x, a, scaling, slots, second, counters)
+    lora_shrink_concat(x, a, scaling, slots, second, counters, rows=False)
     assert not counters.any()
     assert torch.equal(first, second)
     _check(first, x, a, scaling, slots, 0, 3 * R, torch.float32)
 
 
 @pytest.mark.parametrize("slot_values", [[0, 0, 0, 0], [2, 2, 2, 2]], ids=["all-base", "one-adapter"])
-def test_degenerate_batches(slot_values):
+@pytest.mark.parametrize("rows", [False, True], ids=["tiles", "per-token"])
+def test_degenerate_batches(slot_values, rows):
     T, K, R, L = 4, 300, 16, 3
     x, a, scaling, slots = _case(T, K, R, L, torch.float32,
                                  slots=torch.tensor(slot_values, dtype=torch.int32, device=DEV))
     out = _nan((T, K + 2 * R), torch.float32)
-    lora_shrink_concat(x, a, scaling, slots, out, new_lora_counters(DEV), splits=2)
+    lora_shrink_concat(x, a, scaling, slots, out, new_lora_counters(DEV),
+                       splits=None if rows else 2, rows=rows)
     _check(out, x, a, scaling, slots, 0, 2 * R, torch.float32)
     if slot_values[0] == 0:
         assert (out[:, K:] == 0).all()
 
 
-def test_out_of_range_slots_leave_their_rows_unwritten():
+@pytest.mark.parametrize("rows", [False, True], ids=["tiles", "per-token"])
+def test_out_of_range_slots_leave_their_rows_unwritten(rows):
     # Documented: a token outside [0, L) belongs to no tile (checking would need a host sync).
     T, K, R, L = 5, 64, 16, 3
     x, a, scaling, slots = _case(T, K, R, L, torch.float32,
                                  slots=torch.tensor([1, 7, -1, 2, 0], dtype=torch.int32, device=DEV))
     out = _nan((T, K + 2 * R), torch.float32)
-    lora_shrink_concat(x, a, scaling, slots, out, new_lora_counters(DEV))
+    lora_shrink_concat(x, a, scaling, slots, out, new_lora_counters(DEV), rows=rows)
     assert out[1:3].isnan().all()
     valid = torch.tensor([True, False, False, True, True], device=DEV)
     _check(out, x, a, scaling, slots, 0, 2 * R, torch.float32, rows=valid)
@@ -157,6 +194,19 @@ def test_prefill_tiles_and_strided_rows():
     lora_shrink_concat(wide[:, :K], a, scaling, slots, out, counters, splits=2)
     _check(out, x, a, scaling, slots, 0, 3 * R, torch.float32)
     assert not counters.any()
+
+
+def test_per_token_kernel_strided_rows():
+    # A row-strided x and a row-strided out (an operand with spare columns after the block).
+    T, K, R, L = 6, 96, 48, 4
+    x, a, scaling, slots = _case(T, K, R, L, torch.float32)
+    wide = torch.randn(T, K + 8, device=DEV)
+    wide[:, :K] = x
+    out = _nan((T, K + 3 * R + 5), torch.float32)
+    lora_shrink_concat(wide[:, :K], a, scaling, slots, out[:, :K + 3 * R], new_lora_counters(DEV),
+                       rows=True)
+    _check(out[:, :K + 3 * R], x, a, scaling, slots, 0, 3 * R, torch.float32)
+    assert out[:, K + 3 * R:].isnan().all(), "columns past out's view must stay untouched"
 
 
 def test_segments_may_be_passed_and_match_the_sort():
@@ -289,6 +339,21 @@ for dtype, split, block_t, block_r in (("bf16", True, 16, 64), ("bf16", False, 6
     warps = 8 if block_t * block_r >= 64 * 128 else 4
     triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps})
+# The per-token decode kernel: K 2048 (chunks of 4 ranks) and 8192 (one rank), bf16 and fp32.
+fn = lora._shrink_rows_kernel
+for dtype, block_r, block_k in (("bf16", 4, 2048), ("bf16", 1, 8192), ("fp32", 8, 1024)):
+    consts = dict(BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=4, BLOCK_C=lora._BLOCK_C, PDL=True)
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = {"scale_ptr": "*fp32", "slots_ptr": "*i32"}.get(name, "*" + dtype)
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "i32"
+    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 8})
 print("compiled")
 """
 
@@ -327,7 +392,8 @@ def _lora_linear_ref(x, w, a, b, scaling, slots) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "K{}-N{}-R{}".format(*s))
 @pytest.mark.parametrize("pattern", ["mixed", "one-adapter", "with-base"])
-def test_gpu_decode_shapes(shape, dtype, pattern):
+@pytest.mark.parametrize("rows", [True, False], ids=["per-token", "tiles"])
+def test_gpu_decode_shapes(shape, dtype, pattern, rows):
     K, N, R = shape
     T, L = 16, 5
     slots = {"mixed": _bench_slots(T), "one-adapter": _bench_slots(T, 1),
@@ -336,7 +402,7 @@ def test_gpu_decode_shapes(shape, dtype, pattern):
     assert lora_concat_splits(T, K, R, L, "cuda") > 1
     counters = new_lora_counters("cuda")
     out = _nan((T, K + 4 * R), dtype, "cuda")
-    lora_shrink_concat(x, a, scaling, slots, out, counters)
+    lora_shrink_concat(x, a, scaling, slots, out, counters, rows=rows)
     _check(out, x, a, scaling, slots, 0, 4 * R, dtype)
     # The GEMM on [W | B blocks] is the LoRA linear.
     w = (torch.randn(N, K, device="cuda") / K ** 0.5).to(dtype)
@@ -348,7 +414,7 @@ def test_gpu_decode_shapes(shape, dtype, pattern):
     # Deterministic: no float atomics, so reruns are bit-identical; counters stay zeroed.
     for _ in range(3):
         again = _nan((T, K + 4 * R), dtype, "cuda")
-        lora_shrink_concat(x, a, scaling, slots, again, counters)
+        lora_shrink_concat(x, a, scaling, slots, again, counters, rows=rows)
         assert torch.equal(again, out)
     assert not counters.any()
 
@@ -366,7 +432,8 @@ def test_gpu_other_token_counts(T):
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_replays_new_slots():
+@pytest.mark.parametrize("rows", [True, False], ids=["per-token", "tiles"])
+def test_gpu_cuda_graph_replays_new_slots(rows):
     # The grid depends on shapes only and the counters clean themselves: one capture serves any
     # slot mix, replay after replay.
     T, K, R, L, dtype = 16, 8192, 16, 5, torch.bfloat16
@@ -376,7 +443,7 @@ def test_gpu_cuda_graph_replays_new_slots():
     out = torch.empty(T, K + (L - 1) * R, dtype=dtype, device="cuda")
 
     def step():
-        lora_shrink_concat(x, a, scaling, slots, out, counters, segments=(order, seg))
+        lora_shrink_concat(x, a, scaling, slots, out, counters, segments=(order, seg), rows=rows)
 
     graph = capture_cuda_graph(step)
     for _ in range(3):

@@ -8,6 +8,7 @@ adapter, used the wrong one, or got its scaling wrong would fail.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import json
 import shutil
@@ -21,6 +22,7 @@ import torch
 from tests.models.conftest import load_tiny
 from tgraph.errors import ConfigError, RecordError, WeightLoadError
 from tgraph.ir.ops.lora import lora_shrink_concat_reference
+from tgraph.models.base.batch import BatchMeta
 from tgraph.kernels.triton.lora import LORA_COUNTERS, lora_segments, new_lora_counters
 from tgraph.layers.lora import lora_shrink_concat
 from tgraph.nn import functional as F
@@ -167,6 +169,36 @@ def test_multi_load_unload_at_run_time(lora_setup):
     assert_matches(run_steps(model, PROMPTS[:1], None, steps=1), [tm.hf], tm.hf)
     assert set(model.engines) == {(True, ()), (False, ()), (True, ("multi_lora",)),
                                   (False, ("multi_lora",))}
+
+
+def test_multi_batch_arrays_follow_adapter_and_batch_changes(lora_setup):
+    # The arrays of the last batch are reused while nothing they depend on changes.
+    tm, root, _ = lora_setup
+    model = load_tiny(tm.path, features={"multi_lora": {"max_rank": 8, "max_loras": 2}})
+    multi = model.features["multi_lora"]
+    multi.load("qv", root / "qv")
+    multi.load("mlp", root / "mlp")
+    decode = BatchMeta([1, 2, 3], [5, 5, 5], [-1, -1, -1], [1, 1, 1], [6, 6, 6], [[0]] * 3,
+                       is_prefill=False, loras=["mlp", None, "qv"])
+    first = multi.batch_arrays(decode)
+    assert first["lora_token_slots"].tolist() == [2, 0, 1]
+    assert multi.batch_arrays(dataclasses.replace(decode, input_ids=[4, 5, 6])) is first
+    with pytest.raises(ValueError, match="read-only"):
+        first["lora_token_slots"][0] = 1
+    # Another adapter mix, other query lengths, or a slot that changed hands: recomputed.
+    swapped = multi.batch_arrays(dataclasses.replace(decode, loras=["qv", None, "mlp"]))
+    assert swapped["lora_token_slots"].tolist() == [1, 0, 2]
+    prefill = dataclasses.replace(decode, query_lens=[2, 1, 1], input_ids=[1, 2, 3, 4],
+                                  positions=[4, 5, 5, 5], slots=[-1] * 4, is_prefill=True)
+    assert multi.batch_arrays(prefill)["lora_token_slots"].tolist() == [2, 2, 0, 1]
+    multi.unload("qv")
+    multi.unload("mlp")
+    multi.load("mlp", root / "mlp")
+    multi.load("qv", root / "qv")
+    assert multi.batch_arrays(decode)["lora_token_slots"].tolist() == [1, 0, 2]
+    multi.unload("qv")
+    with pytest.raises(ValueError, match=r"\['qv'\] are not loaded"):
+        multi.batch_arrays(decode)
 
 
 def test_engines_built_per_feature_combination(lora_setup):

@@ -150,7 +150,12 @@ class LoraBenchResult:
         max_loras, rank: the multi-LoRA slots and the adapters' rank (= the features' max_rank).
         cuda_graph_buckets: buckets ``capture_decode_graphs`` captured (empty: no CUDA graphs).
         capture_s: seconds of ``capture_decode_graphs`` (base decode engine build + capture).
-        decode_ms: system -> median milliseconds of one decode step.
+        decode_ms: system -> median milliseconds of one decode step (``model.run``: input
+            preparation, graph launch and logits, timed with CUDA events on a GPU).
+        replay_ms: system -> median milliseconds of its captured graph replayed alone (the
+            device time of the step; CUDA only).
+        host_ms: system -> median CPU milliseconds of ``model.run`` started on an idle GPU
+            (CUDA only).
         first_step_s: system -> seconds of the first step (engine build and any lazy capture).
         captured_signatures: system -> ``captured_signatures`` of its decode engine after the
             timed steps (> 0: the step replayed a CUDA graph).
@@ -170,6 +175,8 @@ class LoraBenchResult:
     cuda_graph_buckets: list[int] = field(default_factory=list)
     capture_s: float = 0.0
     decode_ms: dict[str, float] = field(default_factory=dict)
+    replay_ms: dict[str, float] = field(default_factory=dict)
+    host_ms: dict[str, float] = field(default_factory=dict)
     first_step_s: dict[str, float] = field(default_factory=dict)
     captured_signatures: dict[str, int] = field(default_factory=dict)
     logit_change: dict[str, float] = field(default_factory=dict)
@@ -297,6 +304,13 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
             features = () if system == "base" else (system,)
             engine = model.engines.get((False, features))
             result.captured_signatures[system] = int(getattr(engine, "captured_signatures", 0))
+            if device.type == "cuda" and engine is not None and engine.captured_graphs:
+                from tgraph.bench.timing import host_ms, time_ms
+
+                graphs = engine.captured_graphs
+                result.replay_ms[system] = time_ms(lambda: [g.replay() for g in graphs],
+                                                   warmup=warmup, iters=iters)
+                result.host_ms[system] = host_ms(step, iters=iters)
             if profile:
                 _print_profile(system, step, device)
         except Exception as err:  # a failing system is reported, the others still measured
@@ -336,6 +350,7 @@ def _print_profile(system: str, step: Callable[[], object], device: torch.device
 def print_table(results: Sequence[LoraBenchResult]) -> None:
     """Print one row per system of every result: ms, ratio to base, captured, first step."""
     print(f"\n{'preset':<14} {'batch':>5} {'system':<12} {'decode ms':>10} {'x base':>7} "
+          f"{'replay ms':>10} {'x base':>7} {'host ms':>8} "
           f"{'captured':>9} {'first step s':>13} {'logit change':>13}")
     for r in results:
         ratios, captured = r.ratios, r.captured
@@ -344,8 +359,12 @@ def print_table(results: Sequence[LoraBenchResult]) -> None:
                 print(f"{r.preset:<14} {r.batch:>5} {system:<12} skipped: {r.skipped[system]}")
                 continue
             change = r.logit_change.get(system)
+            replay, base_replay = r.replay_ms.get(system), r.replay_ms.get("base")
+            replay_ratio = replay / base_replay if replay and base_replay else float("nan")
             print(f"{r.preset:<14} {r.batch:>5} {system:<12} {r.decode_ms[system]:10.3f} "
                   f"{ratios.get(system, float('nan')):7.2f} "
+                  f"{replay if replay else float('nan'):10.3f} {replay_ratio:7.2f} "
+                  f"{r.host_ms.get(system, float('nan')):8.3f} "
                   f"{'yes' if captured.get(system) else 'no':>9} "
                   f"{r.first_step_s[system]:13.2f} "
                   f"{'-' if change is None else f'{change:.3f}':>13}")

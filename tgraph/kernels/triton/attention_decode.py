@@ -54,6 +54,9 @@ MAX_SPLITS = 64
 PROGRAMS_PER_SM = 4
 # SM count assumed off CUDA (H100 SXM); only the heuristic uses it.
 DEFAULT_NUM_SMS = 132
+# With the new key folded in (NewKey), load each split's first K/V tile before the PDL wait.
+# A module constant so that tgraph.bench.ab can compare whole decode steps without it.
+EARLY_KV = True
 
 
 @dataclass(frozen=True)
@@ -198,13 +201,15 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, NEW_KEY: tl.constexpr, ROT_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr,
 ):
-    pdl_wait(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
+    # Before the PDL wait: kv_lens and the block table are step inputs, copied in before the
+    # step's first kernel, so no kernel that may still run writes them (see
+    # tgraph.kernels.triton.pdl). The split's range follows from them.
     kv_len = tl.load(kv_lens_ptr + seq)
     # The one query sits at p = kv_len - 1 and sees keys j with p - j < window.
     if HAS_WINDOW:
@@ -215,11 +220,35 @@ def _decode_split_kernel(
     per_split = tl.cdiv(tl.cdiv(kv_len - key_lo, num_splits), BLOCK_N) * BLOCK_N
     start = key_lo + split * per_split
     end = tl.minimum(start + per_split, kv_len)
+    if NEW_KEY:
+        # The split holding position kv_len - 1 takes this step's key from k/v (and stores it
+        # in the cache) instead of reading it back from the cache.
+        last = tl.where(kv_len > key_lo, (kv_len - 1 - key_lo) // tl.maximum(per_split, 1), 0)
+        owns_new = split == last
+        end = tl.where(owns_new & (kv_len > 0), kv_len - 1, end)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
     head_mask = offs_h < GROUP
     heads = kv_head * GROUP + offs_h
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
+    if EARLY_KV:
+        # With the new key folded in, no other kernel of the step writes this layer's cache
+        # (this kernel stores the new key and never reads its slot), so the split's first K/V
+        # tile streams in while the kernel before (the q/k/v projection) drains.
+        offs_0 = start + tl.arange(0, BLOCK_N)
+        mask_0 = offs_0 < end
+        page_0 = tl.load(bt_row + (offs_0 // BLOCK_SIZE) * stride_btn, mask=mask_0, other=0)
+        page_0 = page_0.to(tl.int64)
+        slot_0 = offs_0 % BLOCK_SIZE
+        k_0 = tl.load(k_base + (page_0 * stride_kb + slot_0 * stride_ks)[:, None] + offs_d[None, :],
+                      mask=mask_0[:, None], other=0.0)
+        v_0 = tl.load(v_base + (page_0 * stride_vb + slot_0 * stride_vs)[:, None] + offs_d[None, :],
+                      mask=mask_0[:, None], other=0.0)
+    pdl_wait(PDL)
+
     # Padding rows read zeros: their scores are 0, finite, and they are never stored.
     if NEW_KEY:
         # q arrives unrotated: rotate it here, rounded as the unfused rope would store it.
@@ -227,28 +256,24 @@ def _decode_split_kernel(
         q = _rotated_rows(q_rows, head_mask[:, None], offs_d, cos_ptr + seq * stride_cos,
                           sin_ptr + seq * stride_sin, ROT_HALF, INTERLEAVED)
         q = q.to(q_ptr.dtype.element_ty)
-        # The split holding position kv_len - 1 takes this step's key from k/v (and stores it
-        # in the cache) instead of reading it back from the cache.
-        last = tl.where(kv_len > key_lo, (kv_len - 1 - key_lo) // tl.maximum(per_split, 1), 0)
-        owns_new = split == last
-        end = tl.where(owns_new & (kv_len > 0), kv_len - 1, end)
     else:
         q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
         q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0)
 
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    bt_row = bt_ptr + seq.to(tl.int64) * stride_btb
-
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    loop_lo = start
+    if EARLY_KV:
+        acc, l_i, m_i = _attend_tile(acc, l_i, m_i, q, k_0, v_0, mask_0, qk_scale,
+                                     DOT_PRECISION, UPCAST)
+        loop_lo = start + BLOCK_N
     # The window and causality are in [start, end) already, so only keys >= end are masked.
     # Every step is masked: an unmasked body needs either a second loop for the tail (which
     # drains and refills the K/V pipeline, and splits are a few steps long) or a per-step
     # branch (~10 more registers: fewer resident programs in this bandwidth-bound kernel).
     acc, l_i, m_i = attend_paged_keys(
-        acc, l_i, m_i, q, 0, k_base, v_base, bt_row, start, end, start, start, 0, qk_scale,
+        acc, l_i, m_i, q, 0, k_base, v_base, bt_row, loop_lo, end, loop_lo, loop_lo, 0, qk_scale,
         stride_btn, stride_kb, stride_ks, stride_vb, stride_vs,
         HEAD_DIM, BLOCK_SIZE, BLOCK_N, True, False, False, False, PREFETCH,
         DOT_PRECISION, UPCAST,
@@ -276,6 +301,29 @@ def _decode_split_kernel(
         # The reduce pass works in log2 units: store the max scaled like the exponents.
         tl.store(ws_ml_ptr + rows * 2, m_i * qk_scale, mask=head_mask)
         tl.store(ws_ml_ptr + rows * 2 + 1, l_i, mask=head_mask)
+
+
+@triton.jit
+def _attend_tile(acc, l_i, m_i, q, k, v, key_mask, qk_scale, DOT_PRECISION: tl.constexpr,
+                 UPCAST: tl.constexpr):
+    """The online-softmax update of :func:`attend_paged_keys` for one K/V tile already loaded
+    (masked keys, possibly all of them, get no weight)."""
+    if UPCAST:
+        qk = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    qk = tl.where(key_mask[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: avoid -inf - -inf
+    p = tl.math.exp2(qk * qk_scale - (m_sub * qk_scale)[:, None])
+    alpha = tl.math.exp2((m_i - m_sub) * qk_scale)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if UPCAST:
+        acc = tl.dot(p.to(v.dtype).to(tl.float32), v.to(tl.float32), acc * alpha[:, None],
+                     input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, l_i, m_new
 
 
 @triton.jit
@@ -412,6 +460,7 @@ def launch_decode(
         NEW_KEY=nk is not None,
         ROT_HALF=nk.cos.shape[1] if nk else 0,
         INTERLEAVED=bool(nk and nk.interleaved),
+        EARLY_KV=nk is not None and EARLY_KV,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(q),

@@ -36,6 +36,15 @@ every launch leaves zeroed, so launches in sequence and CUDA-graph replays reuse
 needs one counter per tile of its grid. When the grid has more tiles than counters (prefill of
 thousands of tokens, where tiles fill the GPU anyway) the launch runs one split and needs none.
 
+Per-token programs at decode. For a handful of tokens (``T <= 64``: decode batches) a second
+kernel runs instead, with no grouping, no split and no reduction: program ``(t, c)`` computes
+rank chunk ``c`` of token ``t``'s shrink over the whole of K with CUDA-core FMAs. Everything it
+multiplies by is known before the PDL wait (the token's slot is a step input, A is adapter
+weight), so its A chunk streams in while the kernel before drains; after the wait it reads one row
+of ``x`` (in L2), reduces, and writes. The slot-tile kernel's split-K reduction costs several
+dependent L2 round trips after the wait (partials, ticket, sum), ~7.7 us per launch in a
+Llama-3.2-1B batch-16 step on an H100 (2026-11-25, ``tgraph bench lora --profile``).
+
 Tokens whose slot is outside ``[0, L)`` belong to no tile: their rows of ``xcat`` are left
 unwritten (checking the values would need a host sync). Callers pass valid slots.
 
@@ -80,6 +89,11 @@ _MAX_PARTIALS = 16384
 _SPLIT_LOAD_ELEMS = 8192
 # Width of the column chunks of zeros written beside the slot block.
 _BLOCK_C = 64
+# Up to this many tokens the per-token kernel runs (decode batches); module constants so that a
+# benchmark can compare the two kernels in whole decode steps.
+_ROWS_MAX_TOKENS = 64
+# A chunk of the per-token kernel: BLOCK_R x BLOCK_K elements of A, held in registers.
+_ROWS_CHUNK_ELEMS = 8192
 
 
 @triton.jit
@@ -211,6 +225,66 @@ def _shrink_concat_kernel(
         else:
             acc *= tl.load(scale_ptr + slot).to(tl.float32)
             _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width, BLOCK_T, BLOCK_R, BLOCK_C)
+
+
+@triton.jit
+def _shrink_rows_kernel(
+    x_ptr, a_ptr, scale_ptr, slots_ptr, out_ptr,
+    K, R, L, lead, width,
+    stride_xt, stride_al, stride_ar, stride_ot,
+    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """Token ``t = program_id(0)``, ranks ``[c * BLOCK_R, +BLOCK_R)`` with ``c = program_id(1)``:
+    the shrink values of those ranks in the token's slot block, zeros at the same ranks of every
+    other slot block, and a ``1 / num_programs(1)`` slice of the ``x`` copy; chunk 0 also zeroes
+    the columns outside the slot blocks."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1)
+    chunks = tl.num_programs(1)
+    # Before the PDL wait: the token's slot (a step input), then its scale and first A tile
+    # (adapter state, written only when adapters are loaded or activated, between steps).
+    slot = tl.load(slots_ptr + t)
+    adapted = (slot > 0) & (slot < L)
+    scale = tl.load(scale_ptr + tl.where(adapted, slot, 0)).to(tl.float32)
+    offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+    # No A rows for slot 0 (a bound: the interpreter cannot broadcast a scalar-bool mask).
+    mask_a = offs_r < tl.where(adapted, R, 0)
+    a_rows = a_ptr + tl.where(adapted, slot, 0).to(tl.int64) * stride_al + offs_r[:, None] * stride_ar
+    offs_k = tl.arange(0, BLOCK_K)
+    av = tl.load(a_rows + offs_k[None, :], mask=mask_a[:, None] & (offs_k < K)[None, :], other=0.0)
+    pdl_wait(PDL)
+    if (slot >= 0) & (slot < L):
+        x_row = x_ptr + t * stride_xt
+        out_row = out_ptr + t * stride_ot
+        share = tl.cdiv(K, chunks)
+        copy_lo = c * share
+        copy_hi = copy_lo + share
+        acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            xv = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
+            tl.store(out_row + offs_k, xv.to(out_ptr.dtype.element_ty),
+                     mask=mask_k & (offs_k >= copy_lo) & (offs_k < copy_hi))
+            acc += av.to(tl.float32) * xv.to(tl.float32)[None, :]
+            nxt = offs_k + BLOCK_K
+            av = tl.load(a_rows + nxt[None, :], mask=mask_a[:, None] & (nxt < K)[None, :], other=0.0)
+        vals = tl.sum(acc, axis=1) * scale
+        # Rank chunk c of slot blocks 1..L-1: this token's values in its own block, else zeros.
+        blocks = tl.arange(0, BLOCK_L) + 1
+        cols = lead + (blocks[:, None] - 1) * R + offs_r[None, :]
+        vals = tl.where(blocks[:, None] == slot, vals[None, :], 0.0)
+        tl.store(out_row + K + cols, vals.to(out_ptr.dtype.element_ty),
+                 mask=(blocks < L)[:, None] & (offs_r < R)[None, :])
+        if c == 0:
+            # The lead columns (another feature's region) and the padding after the last block.
+            blocks_end = lead + (L - 1) * R
+            for c0 in range(0, width, BLOCK_C):
+                pad = c0 + tl.arange(0, BLOCK_C)
+                outside = (pad < lead) | ((pad >= blocks_end) & (pad < width))
+                tl.store(out_row + K + pad, tl.zeros((BLOCK_C,), dtype=out_ptr.dtype.element_ty),
+                         mask=outside)
 
 
 def lora_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -395,6 +469,7 @@ def lora_shrink_concat(
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
     splits: int | None = None,
     config: tuple[int, int] | None = None,
+    rows: bool | None = None,
 ) -> torch.Tensor:
     """``out = [x | xa]``: ``x`` copied, then every token's scaled shrink in its slot's block.
 
@@ -415,6 +490,9 @@ def lora_shrink_concat(
         splits: force the number of K chunks (>= 1; more than the counters allow is refused);
             default :func:`lora_concat_splits`.
         config: ``(BLOCK_K, num_warps)`` instead of the heuristic (for tuning).
+        rows: run the per-token kernel (True) or the slot-tile kernel (False); default: per
+            token for up to 64 tokens unless ``splits`` or ``config`` is given (both are
+            slot-tile options). ``segments`` and ``counters`` are unused by the per-token kernel.
 
     Returns:
         ``out``.
@@ -445,8 +523,14 @@ def lora_shrink_concat(
         raise ValueError(f"{fn}: splits must be a positive int, got {splits!r}")
     if T == 0 or L == 0:
         return out
+    if segments is not None:
+        _check_segments(segments, T, L, device)
+    if rows is None:
+        rows = T <= _ROWS_MAX_TOKENS and splits is None and config is None
+    if rows:
+        _launch_rows(x, lora_a, scaling, token_slots, out, lead)
+        return out
     segments = lora_segments(token_slots, L) if segments is None else segments
-    _check_segments(segments, T, L, device)
     order, seg_start = segments
 
     block_t, block_r = _block_t(T), _block_r(R)
@@ -471,3 +555,20 @@ def lora_shrink_concat(
         num_warps=num_warps, **pdl_kwargs(x),
     )
     return out
+
+
+def _launch_rows(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor,
+                 token_slots: torch.Tensor, out: torch.Tensor, lead: int) -> None:
+    """The per-token kernel on checked arguments (see the module docstring)."""
+    T, K = x.shape
+    L, R, _ = lora_a.shape
+    block_k = min(triton.next_power_of_2(K), _ROWS_CHUNK_ELEMS)
+    block_r = max(1, min(triton.next_power_of_2(R), _ROWS_CHUNK_ELEMS // block_k))
+    # At least one chunk: with R == 0 (no adapter rank) the x copy and zero columns remain.
+    _shrink_rows_kernel[(T, max(1, triton.cdiv(R, block_r)))](
+        x, lora_a, scaling, token_slots, out,
+        K, R, L, lead, out.shape[1] - K,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=triton.next_power_of_2(max(L - 1, 1)),
+        BLOCK_C=_BLOCK_C, num_warps=8 if block_r * block_k >= 4096 else 4, **pdl_kwargs(x),
+    )

@@ -6,12 +6,20 @@ after the previous kernel has completed. Inside a CUDA graph this removes most o
 two dependent launches, which is what bounds a decode step made of ~150 short kernels.
 
 The contract every PDL-launched kernel here keeps: before its first access to memory that an
-earlier kernel may write or read (activations, KV cache, outputs, workspaces) it calls
-``gdc_wait``, which blocks until the previous kernel has completed and its writes are visible.
-Only model weights, which no kernel writes, are read before the wait (the GEMV prefetches its
-first weight tile that way). Because every PDL kernel waits for its predecessor, which waited for
-its own, any earlier kernel is complete too. Kernels launched without PDL (cuBLAS, torch ops) keep
-ordinary stream order, so mixing is safe.
+earlier kernel may write or read (activations, outputs, workspaces) it calls ``gdc_wait``, which
+blocks until the previous kernel has completed and its writes are visible. Before the wait a
+kernel reads only memory that no other kernel of the step writes:
+
+- model weights (the GEMV and the LoRA shrink prefetch their first weight tile);
+- the step's inputs (sequence lengths, block table, slots, rope tables), which are copied in
+  before the step's first kernel (a capture prologue, or stream-ordered copies);
+- decode attention with the new key folded in reads its first K/V tile of its layer's cache:
+  in that step only the attention kernel itself writes the cache (the new key's slot, which it
+  never reads).
+
+Because every PDL kernel waits for its predecessor, which waited for its own, any earlier kernel
+is complete too. Kernels launched without PDL (cuBLAS, torch ops) keep ordinary stream order, so
+mixing is safe.
 
 ``TGRAPH_PDL=0`` turns PDL off; it is also off under the Triton interpreter, before Hopper, and on
 Triton builds without ``launch_pdl``.

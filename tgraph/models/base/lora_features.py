@@ -368,6 +368,9 @@ class MultiLoraDecorator(_LoraFeature):
             raise ConfigError(f"multi_lora: max_loras must be >= 1, got {self.max_loras}")
         self.slots: dict[str, int] = {}
         self._stacks: dict[str, torch.Tensor] | None = None
+        # The last batch's arrays and what they were computed from (see batch_arrays).
+        self._arrays_key: tuple | None = None
+        self._arrays: dict[str, np.ndarray] = {}
 
     @property
     def num_slots(self) -> int:
@@ -422,6 +425,7 @@ class MultiLoraDecorator(_LoraFeature):
         self._write(self.slots.pop(name), None)
 
     def _write(self, slot: int, adapter: LoraAdapter | None) -> None:
+        self._arrays_key = None  # the name -> slot map changes: recompute the token slots
         stacks = self.stacks
         for t in self.targets:
             a, b = pack_adapter(adapter, t, self.max_rank)
@@ -469,9 +473,20 @@ class MultiLoraDecorator(_LoraFeature):
 
     def batch_arrays(self, batch: BatchMeta) -> dict[str, np.ndarray]:
         """The slot of every token, and the tokens grouped by slot (computed here once per step,
-        so the kernels of every adapted linear skip the sort)."""
+        so the kernels of every adapted linear skip the sort).
+
+        NOTE: consecutive decode steps of the same requests give the same arrays, so the last
+        ones are kept (read-only) and returned again while the requests' adapters, their query
+        lengths and the loaded adapters are unchanged: ~40 us of host time per step at batch 16.
+        """
+        key = (tuple(batch.loras or ()), tuple(batch.query_lens), batch.num_seqs)
+        if key == self._arrays_key:
+            return self._arrays
         slots = np.asarray(self.token_slots(batch), dtype=np.int32)
         order = np.argsort(slots, kind="stable").astype(np.int32)
         seg_start = np.searchsorted(slots[order], np.arange(self.num_slots + 1)).astype(np.int32)
-        return {"lora_token_slots": np.asarray(slots, dtype=np.int32), "lora_token_order": order,
-                "lora_seg_start": seg_start}
+        arrays = {"lora_token_slots": slots, "lora_token_order": order, "lora_seg_start": seg_start}
+        for a in arrays.values():
+            a.setflags(write=False)
+        self._arrays_key, self._arrays = key, arrays
+        return arrays
