@@ -524,7 +524,7 @@ def test_decode_new_key_matches_rope_then_cache_then_attention(dtype, interleave
                                                                 monkeypatch):
     # EARLY_KV: each split's first K/V tile is loaded apart from the loop (before the PDL wait
     # on a GPU); both launch variants must give the same function.
-    monkeypatch.setattr(attention_decode, "EARLY_KV", early_kv)
+    monkeypatch.setattr(attention_decode, "EARLY_KV_MAX_PROGRAMS_PER_SM", 1000 if early_kv else 0)
     case, q_raw, q_rot, k_rot, nk = new_key_case([37, 1, 0, 16, 5], 4, 2, 16, 4, dtype,
                                                  rot_half, interleaved)
     check_new_key(case, q_raw, q_rot, k_rot, nk, window, num_splits, torch.float64)
@@ -638,6 +638,7 @@ def test_choose_num_splits():
             assert s == 1 or ctx // s >= attention_decode.MIN_KEYS_PER_SPLIT
     assert choose_num_splits(256, 8, 4096) == 1  # 2048 programs already fill 132 SMs
     assert choose_num_splits(32, 8, 4096) >= 2  # 256 programs: < 2 per SM without splitting
+    assert choose_num_splits(16, 8, 4096) == 4  # 512 programs: one wave (measured, see the NOTE)
     assert choose_num_splits(1, 8, 8192) == 32  # batch 1: split long contexts widely
     assert choose_num_splits(1, 8, 100) == 1  # too short to be worth splitting
     assert choose_num_splits(1, 8, 8192, num_sms=16) < choose_num_splits(1, 8, 8192)

@@ -188,13 +188,13 @@ def tune_decode(copy_gbps: float, quick: bool = False) -> dict:
         A JSON-able dict: num_splits, current, ranked (best first), each with GB/s of K/V read.
     """
     from tgraph.kernels.triton import attention_decode as ad
-    from tgraph.kernels.triton.attention import _num_sms
+    from tgraph.kernels.triton.device_info import sm_count
 
     b, ctx, hq, hk, d, bs = 32, 4096, 32, 8, 128, 16
     kc, vc, table, lens = _paged_cache(b, ctx, hk, d, bs)
     q = torch.randn(b, hq, d, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
-    splits = ad.choose_num_splits(b, hk, ctx, _num_sms(q.device))
+    splits = ad.choose_num_splits(b, hk, ctx, sm_count(q.device))
     workspace = torch.empty(max(1, ad.workspace_numel(b, hq, d, splits)), device="cuda")
     nbytes = 2 * b * ctx * hk * d * kc.element_size()
 

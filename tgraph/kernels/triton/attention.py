@@ -18,14 +18,12 @@ therefore on shapes, dtypes and devices only; the values of ``kv_lens``, ``query
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
 
 from tgraph.kernels.triton.attention_decode import (
-    DEFAULT_NUM_SMS,
     NewKey,
     choose_num_splits,
     decode_config,
@@ -33,15 +31,9 @@ from tgraph.kernels.triton.attention_decode import (
     workspace_numel,
 )
 from tgraph.kernels.triton.attention_prefill import launch_prefill, prefill_config
+from tgraph.kernels.triton.device_info import sm_count
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return DEFAULT_NUM_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def _check_attention_args(
@@ -275,7 +267,7 @@ def paged_attention_decode(
         raise ValueError(f"{op}: kv_lens has {kv_lens.shape[0]} sequences but q has {batch} rows")
     if num_splits is None:
         max_context = block_table.shape[1] * k_cache.shape[1]
-        num_splits = choose_num_splits(batch, k_cache.shape[2], max_context, _num_sms(q.device))
+        num_splits = choose_num_splits(batch, k_cache.shape[2], max_context, sm_count(q.device))
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"{op}: num_splits must be None or an int >= 1, got {num_splits!r}")
     if workspace is not None:

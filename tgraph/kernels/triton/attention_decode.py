@@ -43,6 +43,7 @@ from tgraph.kernels.triton.attention_prefill import (
     attend_paged_keys,
     interpreter_needs_upcast,
 )
+from tgraph.kernels.triton.device_info import DEFAULT_SM_COUNT, sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 # A split should stream at least this many keys, otherwise the cost of writing and reducing its
@@ -50,13 +51,19 @@ from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 MIN_KEYS_PER_SPLIT = 256
 # Upper bound on splits: beyond it the reduce pass and the workspace grow with no gain.
 MAX_SPLITS = 64
-# Enough resident programs per SM to hide memory latency with a few loads in flight each.
-PROGRAMS_PER_SM = 4
-# SM count assumed off CUDA (H100 SXM); only the heuristic uses it.
-DEFAULT_NUM_SMS = 132
-# With the new key folded in (NewKey), load each split's first K/V tile before the PDL wait.
-# A module constant so that tgraph.bench.ab can compare whole decode steps without it.
-EARLY_KV = True
+# Enough resident programs per SM to hide memory latency with a few loads in flight each. NOTE:
+# 2 rather than 4 after a same-process A/B on an H100 (2026-11-25, tgraph.bench.ab, Llama-3.2-1B
+# batch 16 at context 512, ms per replay): 1.362 / 1.468 / 1.469 against 1.458 / 1.537 / 1.537
+# (with EARLY_KV off at that grid, below). 4 gave 8 splits of one 64-key tile each: 1024 programs
+# in two waves, each paying the whole latency chain for one tile; 2 gives 4 splits of two tiles.
+PROGRAMS_PER_SM = 2
+# With the new key folded in (NewKey), each split loads its first K/V tile before the PDL wait
+# when the grid has at most this many programs per SM (0: never). Same-process A/B on an H100
+# (2026-11-25, ms per replay, with / without, rounds 2-4): Llama-3.2-1B batch 1 (128 programs)
+# 1.054-1.055 / 1.076-1.077, Qwen2.5-0.5B batch 1 0.643-0.646 / 0.655-0.657; at batch 16 (1024
+# programs, two waves) the early tile cost 3-5% instead (the registers it holds across the wait
+# leave fewer programs resident). A module constant so tgraph.bench.ab can vary it.
+EARLY_KV_MAX_PROGRAMS_PER_SM = 1
 
 
 @dataclass(frozen=True)
@@ -121,7 +128,7 @@ def decode_config(head_dim: int, is_cuda: bool) -> DecodeConfig:
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_NUM_SMS
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_SM_COUNT
 ) -> int:
     """Number of KV splits for split-KV decode, from shapes only (so CUDA graphs can capture it).
 
@@ -460,7 +467,8 @@ def launch_decode(
         NEW_KEY=nk is not None,
         ROT_HALF=nk.cos.shape[1] if nk else 0,
         INTERLEAVED=bool(nk and nk.interleaved),
-        EARLY_KV=nk is not None and EARLY_KV,
+        EARLY_KV=nk is not None
+        and batch * num_kv_heads * num_splits <= EARLY_KV_MAX_PROGRAMS_PER_SM * sm_count(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(q),
@@ -476,7 +484,6 @@ def launch_decode(
 
 
 __all__ = [
-    "DEFAULT_NUM_SMS",
     "DecodeConfig",
     "NewKey",
     "choose_num_splits",

@@ -36,19 +36,17 @@ every M of the bucket):
 """
 from __future__ import annotations
 
-import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from tgraph.kernels.triton.device_info import sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["small_m_linear", "choose_config", "prefer_small_m", "workspace_size"]
 
-# SM count assumed when not running on CUDA (H100 SXM / H200 have 132 SMs).
-_DEFAULT_SM_COUNT = 132
 # Split-K aims at this many programs per SM: several resident programs per SM keep enough weight
 # bytes in flight to cover HBM latency (no shared memory is used on the M <= 4 path, so occupancy
 # is bounded by registers only).
@@ -264,13 +262,6 @@ def _split_k_reduce_kernel(
              mask=mask_n[None, :])
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_SM_COUNT
-
-
 def _use_f32_dot(dtype: torch.dtype) -> bool:
     """Whether ``tl.dot`` must run on fp32 operands (``input_precision="ieee"``).
 
@@ -352,7 +343,7 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
 
     n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     k_blocks = triton.cdiv(K, block_k)
-    sms = _sm_count(device)
+    sms = sm_count(device)
     if block_m >= 16:
         # Tensor-core tiles keep enough bytes in flight with one program per SM: split only
         # below half a wave, up to one wave.

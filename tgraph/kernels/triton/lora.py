@@ -61,6 +61,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tgraph.kernels.triton.device_info import sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["LORA_COUNTERS", "lora_concat_splits", "lora_segments", "lora_shrink_concat",
@@ -71,8 +72,6 @@ _SLOT_DTYPES = (torch.int32, torch.int64)
 # Arrival counters a feature allocates, one per tile of a split launch. The heuristic splits K
 # only for grids of fewer tiles than 2 programs per SM (264 on an H100), far below this.
 LORA_COUNTERS = 1024
-# SM count assumed when not running on CUDA (H100 SXM / H200 have 132 SMs).
-_DEFAULT_SM_COUNT = 132
 # Split-K aims at this many programs per SM: a few resident programs per SM keep enough loads in
 # flight to cover HBM latency.
 _PROGRAMS_PER_SM = 2
@@ -406,14 +405,6 @@ def _split_block(splits: int, block_t: int, block_r: int) -> int:
     return min(triton.next_power_of_2(splits), max(1, _SPLIT_LOAD_ELEMS // (block_t * block_r)))
 
 
-def _sm_count(device: torch.device | str | None) -> int:
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda":
-        return _DEFAULT_SM_COUNT
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def lora_concat_splits(num_tokens: int, in_features: int, rank: int, num_slots: int,
                        device: torch.device | str | None = None, max_tiles: int = LORA_COUNTERS) -> int:
     """How many K chunks :func:`lora_shrink_concat` of these shapes runs.
@@ -449,7 +440,7 @@ def lora_concat_splits(num_tokens: int, in_features: int, rank: int, num_slots: 
         return 1
     k_blocks = triton.cdiv(in_features, _block_k(num_tokens, in_features))
     partial_cap = max(1, _MAX_PARTIALS // (block_t * _block_r(rank)))
-    want = min(triton.cdiv(_PROGRAMS_PER_SM * _sm_count(device), tiles),
+    want = min(triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), tiles),
                max(1, k_blocks // _MIN_BLOCKS_PER_SPLIT), _MAX_SPLITS, partial_cap)
     # Even distribution: no split gets a short or empty range of K blocks.
     per_split = triton.cdiv(k_blocks, want)
