@@ -339,10 +339,14 @@ for dtype, split, block_t, block_r in (("bf16", True, 16, 64), ("bf16", False, 6
     warps = 8 if block_t * block_r >= 64 * 128 else 4
     triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps})
-# The per-token decode kernel: K 2048 (chunks of 4 ranks) and 8192 (one rank), bf16 and fp32.
+# The per-token decode kernel: K 2048 (chunks of 4 ranks) and 8192 (one rank), bf16 and fp32,
+# with each producer folded in (none, RMSNorm, add + RMSNorm, SwiGLU).
 fn = lora._shrink_rows_kernel
-for dtype, block_r, block_k in (("bf16", 4, 2048), ("bf16", 1, 8192), ("fp32", 8, 1024)):
-    consts = dict(BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=4, BLOCK_C=lora._BLOCK_C, PDL=True)
+for dtype, block_r, block_k, prologue in (("bf16", 4, 2048, 0), ("bf16", 1, 8192, 0),
+                                          ("fp32", 8, 1024, 0), ("bf16", 4, 2048, 1),
+                                          ("bf16", 4, 2048, 2), ("bf16", 1, 8192, 3)):
+    consts = dict(PROLOGUE=prologue, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=4,
+                  BLOCK_C=lora._BLOCK_C, PDL=True)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -351,7 +355,7 @@ for dtype, block_r, block_k in (("bf16", 4, 2048), ("bf16", 1, 8192), ("fp32", 8
             sig[name] = {"scale_ptr": "*fp32", "slots_ptr": "*i32"}.get(name, "*" + dtype)
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
-            sig[name] = "i32"
+            sig[name] = "fp32" if name == "eps" else "i32"
     triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": 8})
 print("compiled")

@@ -7,6 +7,7 @@ from tgraph.passes.canonicalize import RmsNormFusion, SiluFusion
 from tgraph.passes.cleanup import CommonSubexpressionElimination, DeadCodeElimination, NoOpRemoval
 from tgraph.passes.collective_fusion import AllReduceAddRmsNorm
 from tgraph.passes.linear_fusion import HorizontalLinear, LinearEpilogue
+from tgraph.passes.lora_fusion import LoraPrologue
 from tgraph.passes.manager import Pass
 from tgraph.passes.norm_fusion import AddRmsNorm, NormLinear
 from tgraph.passes.pointwise_fusion import PointwiseFusion
@@ -17,8 +18,8 @@ def default_pipeline() -> list[Pass]:
     (so that SwiGLU sees packed gate|up); hand-written fusions (the tensor-parallel
     all-reduce + add + RMSNorm right after AddRmsNorm, which it builds on, and before pointwise
     fusion could take the add; the decode rope into attention once rope_cache exists; norms and
-    gates into the linears around them once the norm and gate ops exist); generated pointwise
-    kernels for what is left; clean up."""
+    gates into the linears around them once the norm and gate ops exist, and into the LoRA
+    shrinks that NormLinear leaves); generated pointwise kernels for what is left; clean up."""
     return [
         NoOpRemoval(),
         CommonSubexpressionElimination(),
@@ -31,6 +32,7 @@ def default_pipeline() -> list[Pass]:
         RopeCache(),
         RopeAttention(),
         NormLinear(),
+        LoraPrologue(),
         LinearEpilogue(),
         PointwiseFusion(),
         DeadCodeElimination(),

@@ -19,6 +19,20 @@ sorted by slot, stable) and ``seg_start`` int ``[L + 1]`` (where each slot's run
 grouping computed once per step, so the kernel of every adapted linear skips the sort;
 ``counters`` int32 ``[C]``: the kernel's arrival counters, a persistent zeroed buffer it leaves
 zeroed (the reference ignores it).
+
+Fused producers (the ``LoraPrologue`` pass): the op that computes ``x`` for a LoRA linear and
+nothing else (the RMSNorm before q/k/v and gate/up, with or without the residual add, and the
+SwiGLU before down) folds into the concat, so a decode step launches one kernel where it launched
+two::
+
+    rms_norm_lora_concat(h, norm_weight, <lora inputs>, *, eps, lead, width) -> xcat
+    add_rms_norm_lora_concat(x, residual, norm_weight, <lora inputs>, *, eps, lead, width)
+        -> (xcat, x + residual)
+    swiglu_lora_concat(gate_up, <lora inputs>, *, lead, width) -> xcat
+
+``<lora inputs>`` are ``a_stack, scaling, token_slots, token_order, seg_start, counters`` as
+above. Each reference is the composition of the unfused references, so a fused engine on the
+reference backend equals the unfused one exactly.
 """
 from __future__ import annotations
 
@@ -35,6 +49,13 @@ from tgraph.ir.ops.registry import (
     require_rank,
     require_same_dtype,
 )
+from tgraph.ir.ops.fused import (
+    _add_rms_norm_infer,
+    _swiglu_infer,
+    add_rms_norm_reference,
+    swiglu_reference,
+)
+from tgraph.ir.ops.norms import _norm_infer, rms_norm_reference
 from tgraph.ir.shape import dims_conflict
 
 
@@ -130,3 +151,47 @@ register_op("lora_shrink_concat", infer=_shrink_concat_infer,
             reference=lora_shrink_concat_reference, category=OpCategory.LINALG,
             doc="[x | scaling[s] * x @ A[s].T in slot s's column block, zeros elsewhere]: the "
                 "operand of a LoRA linear run as one GEMM on [W | B blocks]")
+
+
+_DOC_TAIL = ", then lora_shrink_concat of the result, in one kernel at decode"
+
+
+def _rms_norm_concat_infer(h: Meta, norm_weight: Meta, *lora: Meta, eps: float, lead: int,
+                           width: int) -> Meta:
+    return _shrink_concat_infer(_norm_infer(h, norm_weight, eps=eps), *lora, lead=lead,
+                                width=width)
+
+
+def rms_norm_lora_concat_reference(h, norm_weight, *lora, eps, lead, width):
+    return lora_shrink_concat_reference(rms_norm_reference(h, norm_weight, eps=eps), *lora,
+                                        lead=lead, width=width)
+
+
+def _add_rms_norm_concat_infer(x: Meta, residual: Meta, norm_weight: Meta, *lora: Meta,
+                               eps: float, lead: int, width: int) -> tuple[Meta, Meta]:
+    normed, summed = _add_rms_norm_infer(x, residual, norm_weight, eps=eps)
+    return _shrink_concat_infer(normed, *lora, lead=lead, width=width), summed
+
+
+def add_rms_norm_lora_concat_reference(x, residual, norm_weight, *lora, eps, lead, width):
+    normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps=eps)
+    return lora_shrink_concat_reference(normed, *lora, lead=lead, width=width), summed
+
+
+def _swiglu_concat_infer(gate_up: Meta, *lora: Meta, lead: int, width: int) -> Meta:
+    return _shrink_concat_infer(_swiglu_infer(gate_up), *lora, lead=lead, width=width)
+
+
+def swiglu_lora_concat_reference(gate_up, *lora, lead, width):
+    return lora_shrink_concat_reference(swiglu_reference(gate_up), *lora, lead=lead, width=width)
+
+
+register_op("rms_norm_lora_concat", infer=_rms_norm_concat_infer,
+            reference=rms_norm_lora_concat_reference, category=OpCategory.FUSED,
+            doc="rms_norm(h) * norm_weight" + _DOC_TAIL)
+register_op("add_rms_norm_lora_concat", infer=_add_rms_norm_concat_infer,
+            reference=add_rms_norm_lora_concat_reference, category=OpCategory.FUSED,
+            doc="(rms_norm(x + residual) * norm_weight" + _DOC_TAIL + ", x + residual)")
+register_op("swiglu_lora_concat", infer=_swiglu_concat_infer,
+            reference=swiglu_lora_concat_reference, category=OpCategory.FUSED,
+            doc="silu(gate) * up on a packed gate|up tensor" + _DOC_TAIL)

@@ -64,8 +64,9 @@ import triton.language as tl
 from tgraph.kernels.triton.device_info import sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
-__all__ = ["LORA_COUNTERS", "lora_concat_splits", "lora_segments", "lora_shrink_concat",
-           "new_lora_counters"]
+__all__ = ["LORA_COUNTERS", "PROLOGUES", "lora_concat_splits", "lora_prologue_concat",
+           "lora_segments", "lora_shrink_concat", "new_lora_counters", "prologue_fits",
+           "rows_overlap"]
 
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
@@ -226,18 +227,51 @@ def _shrink_concat_kernel(
             _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width, BLOCK_T, BLOCK_R, BLOCK_C)
 
 
+# What the per-token kernel computes x from (its PROLOGUE constexpr).
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_ADD_RMS_NORM, PROLOGUE_SWIGLU = 0, 1, 2, 3
+
+
+@triton.jit
+def _x_tile(x_row, r_row, g_ptr, sum_row, offs_k, mask_k, keep, K, eps,
+            PROLOGUE: tl.constexpr, DTYPE: tl.constexpr):
+    """One K tile of the token's ``x`` in ``DTYPE``, computed as the unfused producer stores it.
+
+    ``PROLOGUE_NONE``: read. ``PROLOGUE_SWIGLU``: ``silu(gate) * up`` from the packed row (up at
+    column ``K``), in fp32 and rounded once. The norms (the whole row in this one tile): the
+    sum ``x + residual`` rounded and stored where ``keep`` (add), then
+    ``weight * (s * rsqrt(mean(s**2) + eps)).to(DTYPE)``, as ``tgraph.kernels.triton.norms``.
+    """
+    if PROLOGUE == 0:
+        xv = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(DTYPE)
+    elif PROLOGUE == 3:
+        g = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        u = tl.load(x_row + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        xv = (g / (1.0 + tl.exp(-g)) * u).to(DTYPE)
+    else:
+        h = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        if PROLOGUE == 2:
+            summed = (h + tl.load(r_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)).to(DTYPE)
+            tl.store(sum_row + offs_k, summed, mask=keep)
+            h = summed.to(tl.float32)
+        rstd = tl.math.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+        w = tl.load(g_ptr + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+        xv = ((h * rstd).to(DTYPE).to(tl.float32) * w).to(DTYPE)
+    return xv
+
+
 @triton.jit
 def _shrink_rows_kernel(
-    x_ptr, a_ptr, scale_ptr, slots_ptr, out_ptr,
-    K, R, L, lead, width,
-    stride_xt, stride_al, stride_ar, stride_ot,
-    BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr,
+    x_ptr, r_ptr, g_ptr, sum_ptr, a_ptr, scale_ptr, slots_ptr, out_ptr,
+    K, R, L, lead, width, eps,
+    stride_xt, stride_rt, stride_st, stride_al, stride_ar, stride_ot,
+    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     """Token ``t = program_id(0)``, ranks ``[c * BLOCK_R, +BLOCK_R)`` with ``c = program_id(1)``:
     the shrink values of those ranks in the token's slot block, zeros at the same ranks of every
-    other slot block, and a ``1 / num_programs(1)`` slice of the ``x`` copy; chunk 0 also zeroes
-    the columns outside the slot blocks."""
+    other slot block, and a ``1 / num_programs(1)`` slice of the ``x`` copy (and of the sum, for
+    ``PROLOGUE_ADD_RMS_NORM``); chunk 0 also zeroes the columns outside the slot blocks. Every
+    program computes the whole ``x`` row it multiplies (see :func:`_x_tile`)."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     chunks = tl.num_programs(1)
@@ -263,9 +297,10 @@ def _shrink_rows_kernel(
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_k = offs_k < K
-            xv = tl.load(x_row + offs_k, mask=mask_k, other=0.0)
-            tl.store(out_row + offs_k, xv.to(out_ptr.dtype.element_ty),
-                     mask=mask_k & (offs_k >= copy_lo) & (offs_k < copy_hi))
+            keep = mask_k & (offs_k >= copy_lo) & (offs_k < copy_hi)
+            xv = _x_tile(x_row, r_ptr + t * stride_rt, g_ptr, sum_ptr + t * stride_st, offs_k,
+                         mask_k, keep, K, eps, PROLOGUE, out_ptr.dtype.element_ty)
+            tl.store(out_row + offs_k, xv, mask=keep)
             acc += av.to(tl.float32) * xv.to(tl.float32)[None, :]
             nxt = offs_k + BLOCK_K
             av = tl.load(a_rows + nxt[None, :], mask=mask_a[:, None] & (nxt < K)[None, :], other=0.0)
@@ -548,18 +583,132 @@ def lora_shrink_concat(
     return out
 
 
+# lora_prologue_concat's prologue names -> the kernel's PROLOGUE values.
+PROLOGUES = {"rms_norm": PROLOGUE_RMS_NORM, "add_rms_norm": PROLOGUE_ADD_RMS_NORM,
+             "swiglu": PROLOGUE_SWIGLU}
+
+
+def prologue_fits(prologue: str, num_tokens: int, in_features: int) -> bool:
+    """Whether :func:`lora_prologue_concat` takes these sizes: a decode batch (at most 64
+    tokens), and for the norms a row that one program holds whole (``in_features <= 8192``)."""
+    if prologue not in PROLOGUES:
+        raise ValueError(f"unknown prologue {prologue!r}; expected one of {sorted(PROLOGUES)}")
+    whole_row = prologue == "swiglu" or in_features <= _ROWS_CHUNK_ELEMS
+    return num_tokens <= _ROWS_MAX_TOKENS and whole_row
+
+
+def rows_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two row-strided 2-D tensors intersect."""
+    a_lo = a.data_ptr()
+    b_lo = b.data_ptr()
+    a_hi = a_lo + (a.shape[0] - 1) * a.stride(0) * a.element_size() + a.shape[1] * a.element_size()
+    b_hi = b_lo + (b.shape[0] - 1) * b.stride(0) * b.element_size() + b.shape[1] * b.element_size()
+    return a_lo < b_hi and b_lo < a_hi
+
+
+def lora_prologue_concat(
+    prologue: str,
+    x: torch.Tensor,
+    lora_a: torch.Tensor,
+    scaling: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    *,
+    lead: int = 0,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    summed: torch.Tensor | None = None,
+    eps: float | None = None,
+) -> torch.Tensor:
+    """``out = [p(x) | xa]`` in one launch: the producer ``p`` of a LoRA linear's input and
+    :func:`lora_shrink_concat` of its result (decode batches; see :func:`prologue_fits`).
+
+    - ``"rms_norm"``: ``p(x) = rms_norm(x) * norm_weight``.
+    - ``"add_rms_norm"``: ``summed = x + residual`` (rounded, written), ``p = rms_norm(summed) *
+      norm_weight``.
+    - ``"swiglu"``: ``x`` is the packed ``[T, 2K]`` gate|up, ``p(x) = silu(gate) * up`` (fp32,
+      rounded once).
+
+    Args:
+        prologue: one of :data:`PROLOGUES`.
+        x: ``[T, K]`` (``[T, 2K]`` for SwiGLU), ``lora_a``'s dtype, contiguous rows' last dim.
+        lora_a, scaling, token_slots, out, lead: as :func:`lora_shrink_concat`.
+        residual: ``[T, K]`` (add_rms_norm).
+        norm_weight: ``[K]`` in ``x``'s dtype (the norms).
+        summed: ``[T, K]`` output of the sum (add_rms_norm); must not overlap ``x`` or
+            ``residual`` (every program reads the whole rows while others write their slices).
+        eps: the RMSNorm epsilon (the norms).
+
+    Returns:
+        ``out``.
+    """
+    fn = "lora_prologue_concat"
+    if prologue not in PROLOGUES:
+        raise ValueError(f"{fn}: unknown prologue {prologue!r}; expected one of {sorted(PROLOGUES)}")
+    _check_tensor(fn, "x", x, 2, None)
+    device = x.device
+    _check_tensor(fn, "lora_a", lora_a, 3, device)
+    L, R, K = lora_a.shape
+    T = x.shape[0]
+    width_in = 2 * K if prologue == "swiglu" else K
+    if x.shape[1] != width_in:
+        raise ValueError(f"{fn}: x must be [T, {width_in}] for {prologue} with lora_a "
+                         f"{list(lora_a.shape)}, got {list(x.shape)}")
+    if lora_a.dtype != x.dtype:
+        raise TypeError(f"{fn}: lora_a dtype {lora_a.dtype} must match x dtype {x.dtype}")
+    _check_tensor(fn, "out", out, 2, device)
+    need = K + lead + max(L - 1, 0) * R
+    if out.dtype != x.dtype or out.shape[0] != T or out.shape[1] < need:
+        raise ValueError(f"{fn}: out must be {x.dtype} [{T}, >= {need}], got {out.dtype} "
+                         f"{list(out.shape)}")
+    _check_scaling(fn, scaling, L, device)
+    _check_slots(token_slots, T, device)
+    if not prologue_fits(prologue, T, K):
+        raise ValueError(f"{fn}: {T} tokens of {K} features is not a decode batch this kernel "
+                         f"takes (at most {_ROWS_MAX_TOKENS} tokens; norms of at most "
+                         f"{_ROWS_CHUNK_ELEMS} features); use the producer and lora_shrink_concat")
+    if prologue != "swiglu":
+        _check_tensor(fn, "norm_weight", norm_weight, 1, device)
+        if tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype:
+            raise ValueError(f"{fn}: norm_weight must be {x.dtype} [{K}], got "
+                             f"{norm_weight.dtype} {list(norm_weight.shape)}")
+        if not isinstance(eps, (int, float)) or eps < 0:
+            raise ValueError(f"{fn}: eps must be a non-negative number, got {eps!r}")
+    if prologue == "add_rms_norm":
+        for name, t in (("residual", residual), ("summed", summed)):
+            _check_tensor(fn, name, t, 2, device)
+            if tuple(t.shape) != (T, K) or t.dtype != x.dtype:
+                raise ValueError(f"{fn}: {name} must be {x.dtype} [{T}, {K}], got {t.dtype} "
+                                 f"{list(t.shape)}")
+    if T == 0 or L == 0:
+        return out
+    if prologue == "add_rms_norm" and (rows_overlap(summed, x) or rows_overlap(summed, residual)):
+        raise ValueError(f"{fn}: summed must not overlap x or residual (every program reads "
+                         "the whole rows while the others write their slices of the sum)")
+    _launch_rows(x, lora_a, scaling, token_slots, out, lead, PROLOGUES[prologue], residual,
+                 norm_weight, summed, eps or 0.0)
+    return out
+
+
 def _launch_rows(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor,
-                 token_slots: torch.Tensor, out: torch.Tensor, lead: int) -> None:
-    """The per-token kernel on checked arguments (see the module docstring)."""
-    T, K = x.shape
-    L, R, _ = lora_a.shape
+                 token_slots: torch.Tensor, out: torch.Tensor, lead: int,
+                 prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None,
+                 norm_weight: torch.Tensor | None = None, summed: torch.Tensor | None = None,
+                 eps: float = 0.0) -> None:
+    """The per-token kernel on checked arguments (see the module docstring); ``x`` is the
+    prologue's input (``[T, 2K]`` gate|up for SwiGLU)."""
+    T = x.shape[0]
+    L, R, K = lora_a.shape
     block_k = min(triton.next_power_of_2(K), _ROWS_CHUNK_ELEMS)
     block_r = max(1, min(triton.next_power_of_2(R), _ROWS_CHUNK_ELEMS // block_k))
+    r = residual if residual is not None else x
+    s = summed if summed is not None else out
     # At least one chunk: with R == 0 (no adapter rank) the x copy and zero columns remain.
     _shrink_rows_kernel[(T, max(1, triton.cdiv(R, block_r)))](
-        x, lora_a, scaling, token_slots, out,
-        K, R, L, lead, out.shape[1] - K,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=triton.next_power_of_2(max(L - 1, 1)),
-        BLOCK_C=_BLOCK_C, num_warps=8 if block_r * block_k >= 4096 else 4, **pdl_kwargs(x),
+        x, r, norm_weight if norm_weight is not None else x, s, lora_a, scaling, token_slots, out,
+        K, R, L, lead, out.shape[1] - K, float(eps),
+        x.stride(0), r.stride(0), s.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
+        PROLOGUE=prologue, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_L=triton.next_power_of_2(max(L - 1, 1)), BLOCK_C=_BLOCK_C,
+        num_warps=8 if block_r * block_k >= 4096 else 4, **pdl_kwargs(x),
     )
