@@ -1034,14 +1034,11 @@ def _lora_prologue_samples(dtype, prologue: str):
         # keeps that rounding, summed over K, within the dtype's tolerance.
         inputs["a"] = (inputs["a"].double() / x.shape[1] ** 0.5).to(dtype)
         tokens = {k: v for k, v in sample.shapes.items() if k != "x"}
-        if prologue == "swiglu":
-            head = {"gu": rand(x.shape[0], 2 * x.shape[1], dtype=dtype)}
-        else:
-            head = {"x": x, "w": rand(x.shape[1], dtype=dtype, lo=0.5, hi=1.5)}
-            if prologue == "add_rms_norm":
-                head["r"] = rand(*x.shape, dtype=dtype)
+        head = {"x": x, "w": rand(x.shape[1], dtype=dtype, lo=0.5, hi=1.5)}
+        if prologue == "add_rms_norm":
+            head["r"] = rand(*x.shape, dtype=dtype)
         tokens.update({k: ("num_tokens", v.shape[1]) for k, v in head.items() if v.dim() == 2})
-        kwargs = dict(sample.kwargs, **({} if prologue == "swiglu" else {"eps": 1e-5}))
+        kwargs = dict(sample.kwargs, eps=1e-5)
         samples.append(Sample({**head, **inputs}, kwargs, shapes=tokens))
     return samples
 
@@ -1059,20 +1056,17 @@ def _lora_prologue_info(prologue: str) -> OpInfo:
     if prologue == "rms_norm":
         fn = lambda x, w, eps, **kw: shrink(F.rms_norm(x, w, eps), kw)  # noqa: E731
         want = lambda x, w, eps, **kw: expect(_rms_expect(x, w, eps), kw)  # noqa: E731
-    elif prologue == "add_rms_norm":
+    else:
         # The sum is an output too: the fused op's second output keeps it.
         fn = lambda x, r, w, eps, **kw: (shrink(F.rms_norm(x + r, w, eps), kw), x + r)  # noqa: E731
         want = lambda x, r, w, eps, **kw: (expect(_rms_expect(x + r, w, eps), kw), x + r)  # noqa: E731
-    else:
-        fn = lambda gu, **kw: shrink(F.activation(gu, ActType.SWIGLU), kw)  # noqa: E731
-        want = lambda gu, **kw: expect(ACT_EXPECT[ActType.SWIGLU](gu), kw)  # noqa: E731
     return OpInfo(f"fused_{prologue}_lora_concat", fn, want,
                   lambda dtype: _lora_prologue_samples(dtype, prologue),
                   fused_into=f"{prologue}_lora_concat")
 
 
 # The producer of a LoRA linear's input folded into its shrink (LoraPrologue).
-LORA_PROLOGUE_INFOS = [_lora_prologue_info(p) for p in ("rms_norm", "add_rms_norm", "swiglu")]
+LORA_PROLOGUE_INFOS = [_lora_prologue_info(p) for p in ("rms_norm", "add_rms_norm")]
 
 def _sdpa_fn(q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None, scale=None,
              sliding_window=None):

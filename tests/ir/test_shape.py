@@ -253,7 +253,6 @@ RULE_ARGS: dict[str, tuple[int, dict]] = {
     "lora_shrink_concat": (7, {"lead": 0, "width": 0}),
     "rms_norm_lora_concat": (8, {"eps": 1e-6, "lead": 0, "width": 0}),
     "add_rms_norm_lora_concat": (9, {"eps": 1e-6, "lead": 0, "width": 0}),
-    "swiglu_lora_concat": (7, {"lead": 0, "width": 0}),
     **{name: (2, {}) for name in ("add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq",
                                   "ne", "lt", "le", "gt", "ge", "matmul", "embedding",
                                   "silu_mul")},

@@ -1,6 +1,6 @@
-"""The LoRA shrink with its producer folded in (``lora_prologue_concat``): RMSNorm, residual add +
-RMSNorm, or SwiGLU, then ``[x | scaled shrink]``, in one launch; and the graph ops' Triton
-wrappers, which take the two-launch path where the one-launch kernel does not apply.
+"""The LoRA shrink with its producer folded in (``lora_prologue_concat``): RMSNorm or residual
+add + RMSNorm, then ``[x | scaled shrink]``, in one launch; and the graph ops' Triton wrappers,
+which take the two-launch path where the one-launch kernel does not apply.
 
 Against the composed torch references (``tgraph.ir.ops.lora``), through Triton's interpreter on
 CPU. Tolerances (``max|got - ref| / max|ref|``) by dtype, as in ``test_lora_split``: fp32 1e-5,
@@ -14,16 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tgraph.ir.ops.lora import (
-    add_rms_norm_lora_concat_reference,
-    rms_norm_lora_concat_reference,
-    swiglu_lora_concat_reference,
-)
-from tgraph.kernels.fast_lora import (
-    add_rms_norm_lora_concat_into,
-    rms_norm_lora_concat_into,
-    swiglu_lora_concat_into,
-)
+from tgraph.ir.ops.lora import add_rms_norm_lora_concat_reference, rms_norm_lora_concat_reference
+from tgraph.kernels.fast_lora import add_rms_norm_lora_concat_into, rms_norm_lora_concat_into
 from tgraph.kernels.triton import lora as lora_kernels
 from tgraph.kernels.triton.lora import lora_prologue_concat, lora_segments, new_lora_counters
 
@@ -43,15 +35,14 @@ def _case(prologue: str, T: int, K: int, R: int, L: int, dtype: torch.dtype):
     """Producer inputs, stacked A of scale 1/sqrt(K) (slot s has rank R - 2s) and the slots."""
     g = torch.Generator(device="cpu").manual_seed(T * 1000 + K)
     rnd = lambda *s: torch.randn(*s, generator=g).to(DEV)  # noqa: E731
-    x = rnd(T, 2 * K if prologue == "swiglu" else K).to(dtype)
+    x = rnd(T, K).to(dtype)
     a = rnd(L, R, K) / K ** 0.5
     for s in range(L):
         a[s, max(1, R - 2 * s):] = 0
     args = {"x": x, "a": a.to(dtype), "scaling": torch.rand(L, generator=g).to(DEV) + 0.5,
             "slots": torch.tensor([[0, 1, 2, L - 1][i % 4] for i in range(T)], dtype=torch.int32,
-                                  device=DEV)}
-    if prologue != "swiglu":
-        args["w"] = (torch.rand(K, generator=g).to(DEV) + 0.5).to(dtype)
+                                  device=DEV),
+            "w": (torch.rand(K, generator=g).to(DEV) + 0.5).to(dtype)}
     if prologue == "add_rms_norm":
         args["r"] = rnd(T, K).to(dtype)
     return args
@@ -63,10 +54,8 @@ def _reference(prologue: str, c: dict, lead: int, width: int):
     if prologue == "rms_norm":
         return rms_norm_lora_concat_reference(c["x"], c["w"], *lora, eps=EPS, lead=lead,
                                               width=width), None
-    if prologue == "add_rms_norm":
-        return add_rms_norm_lora_concat_reference(c["x"], c["r"], c["w"], *lora, eps=EPS,
-                                                  lead=lead, width=width)
-    return swiglu_lora_concat_reference(c["x"], *lora, lead=lead, width=width), None
+    return add_rms_norm_lora_concat_reference(c["x"], c["r"], c["w"], *lora, eps=EPS, lead=lead,
+                                              width=width)
 
 
 def _check(prologue, c, out, summed, lead, width, dtype) -> None:
@@ -83,7 +72,7 @@ def _check(prologue, c, out, summed, lead, width, dtype) -> None:
         torch.testing.assert_close(summed, want_sum, rtol=ulp, atol=0.0)
 
 
-@pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm", "swiglu"])
+@pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T", [1, 6, 16])
 def test_one_launch_matches_the_composed_reference(prologue, dtype, T):
@@ -99,15 +88,11 @@ def test_one_launch_matches_the_composed_reference(prologue, dtype, T):
     _check(prologue, c, out, summed, lead, width, dtype)
 
 
-def test_swiglu_streams_k_in_tiles(monkeypatch):
-    # Rows longer than a chunk: the SwiGLU prologue needs no row statistic, so K streams in tiles
-    # (64 wide here, one rank per chunk); the norms need the whole row and are refused.
+def test_rows_longer_than_a_chunk_are_refused(monkeypatch):
+    # The norm needs the whole row in one program: longer rows take the two-launch path.
     monkeypatch.setattr(lora_kernels, "_ROWS_CHUNK_ELEMS", 64)
     K, R, L = 200, 4, 3
-    c = _case("swiglu", 5, K, R, L, torch.float32)
     out = torch.full((5, K + (L - 1) * R), float("nan"), device=DEV)
-    lora_prologue_concat("swiglu", c["x"], c["a"], c["scaling"], c["slots"], out)
-    _check("swiglu", c, out, None, 0, (L - 1) * R, torch.float32)
     assert not lora_kernels.prologue_fits("rms_norm", 5, K)
     n = _case("rms_norm", 5, K, R, L, torch.float32)
     with pytest.raises(ValueError, match="not a decode batch this kernel takes"):
@@ -124,8 +109,8 @@ def test_rejects_bad_input():
     args = (c["x"], c["a"], c["scaling"], c["slots"], out)
     with pytest.raises(ValueError, match="unknown prologue 'gelu'"):
         lora_prologue_concat("gelu", *args, **common)
-    with pytest.raises(ValueError, match=r"x must be \[T, 64\] for swiglu"):
-        lora_prologue_concat("swiglu", *args)
+    with pytest.raises(ValueError, match=r"x must be \[T, 32\] to match lora_a"):
+        lora_prologue_concat("rms_norm", c["x"][:, :16], *args[1:], norm_weight=c["w"], eps=EPS)
     with pytest.raises(ValueError, match=r"norm_weight must be torch.float32 \[32\]"):
         lora_prologue_concat("add_rms_norm", *args, **dict(common, norm_weight=c["w"][:8]))
     with pytest.raises(ValueError, match="eps must be a non-negative number"):
@@ -153,17 +138,14 @@ def _wrapper_call(prologue: str, c: dict, width: int, summed_aliases_residual: b
     if prologue == "rms_norm":
         rms_norm_lora_concat_into([out], c["x"], c["w"], *lora, eps=EPS, lead=0, width=width)
         return out, None
-    if prologue == "add_rms_norm":
-        residual = c["r"].clone() if summed_aliases_residual else c["r"]
-        summed = residual if summed_aliases_residual else torch.empty_like(c["r"])
-        add_rms_norm_lora_concat_into([out, summed], c["x"], residual, c["w"], *lora, eps=EPS,
-                                      lead=0, width=width)
-        return out, summed
-    swiglu_lora_concat_into([out], c["x"], *lora, lead=0, width=width)
-    return out, None
+    residual = c["r"].clone() if summed_aliases_residual else c["r"]
+    summed = residual if summed_aliases_residual else torch.empty_like(c["r"])
+    add_rms_norm_lora_concat_into([out, summed], c["x"], residual, c["w"], *lora, eps=EPS, lead=0,
+                                  width=width)
+    return out, summed
 
 
-@pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm", "swiglu"])
+@pytest.mark.parametrize("prologue", ["rms_norm", "add_rms_norm"])
 @pytest.mark.parametrize("T, fused", [(5, True), (70, False)], ids=["decode", "prefill"])
 def test_graph_op_wrappers(prologue, T, fused, monkeypatch):
     # Decode batches take the one-launch kernel; more than 64 tokens the producer's own kernel
@@ -192,9 +174,8 @@ def test_add_rms_norm_wrapper_with_the_sum_in_place_of_the_residual():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("prologue, K, R", [("rms_norm", 2048, 48), ("add_rms_norm", 2048, 32),
-                                             ("swiglu", 8192, 16)],
-                         ids=["qkv", "gate_up", "down"])
+@pytest.mark.parametrize("prologue, K, R", [("rms_norm", 2048, 48), ("add_rms_norm", 2048, 32)],
+                         ids=["qkv", "gate_up"])
 def test_gpu_decode_shapes_and_graph_replay(prologue, K, R, dtype):
     # Llama-3.2-1B at batch 16 with 4 adapters (5 slots): one launch, captured in a CUDA graph
     # and replayed on new inputs; a replay of the same inputs is bit-identical.

@@ -340,11 +340,11 @@ for dtype, split, block_t, block_r in (("bf16", True, 16, 64), ("bf16", False, 6
     triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                    options={"num_warps": warps})
 # The per-token decode kernel: K 2048 (chunks of 4 ranks) and 8192 (one rank), bf16 and fp32,
-# with each producer folded in (none, RMSNorm, add + RMSNorm, SwiGLU).
+# plain and with the norm folded in (RMSNorm, add + RMSNorm).
 fn = lora._shrink_rows_kernel
 for dtype, block_r, block_k, prologue in (("bf16", 4, 2048, 0), ("bf16", 1, 8192, 0),
                                           ("fp32", 8, 1024, 0), ("bf16", 4, 2048, 1),
-                                          ("bf16", 4, 2048, 2), ("bf16", 1, 8192, 3)):
+                                          ("bf16", 2, 4096, 2), ("fp16", 4, 2048, 2)):
     consts = dict(PROLOGUE=prologue, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=4,
                   BLOCK_C=lora._BLOCK_C, PDL=True)
     sig, attrs = {}, {}

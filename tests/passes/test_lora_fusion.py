@@ -1,9 +1,10 @@
-"""LoraPrologue: the RMSNorm (with or without the residual add) and the SwiGLU that produce a LoRA
-linear's input fold into its shrink. Numbers (fused == unfused, on the reference backend exactly:
+"""LoraPrologue: the RMSNorm (with or without the residual add) that produces a LoRA linear's
+input folds into its shrink. Numbers (fused == unfused, on the reference backend exactly:
 the fused references are the compositions of the unfused ones; on the Triton backend within fp32
 accumulation-order tolerance) and structure (matches, kernels, ops)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64
           num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, rms_norm_eps=1e-5,
           tie_word_embeddings=False)
 LORAS = ["l0", None, "l1", "l0"]
-FUSED_OPS = ("rms_norm_lora_concat", "add_rms_norm_lora_concat", "swiglu_lora_concat")
+FUSED_OPS = ("rms_norm_lora_concat", "add_rms_norm_lora_concat")
 
 
 def _run(tmp_path: Path, disabled: tuple[str, ...]) -> tuple[object, list[torch.Tensor]]:
@@ -57,6 +58,8 @@ def _ops(engine) -> list[str]:
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_fused_prologues_equal_the_unfused_graph(tmp_path, backend, monkeypatch):
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on CPU tensors needs the interpreter (set without CUDA)")
     if backend == "triton":
         build = Network.build_engine
         monkeypatch.setattr(Network, "build_engine",
@@ -73,16 +76,14 @@ def test_fused_prologues_equal_the_unfused_graph(tmp_path, backend, monkeypatch)
         engine = fused_model.engines[(is_prefill, ("multi_lora",))]
         plain_engine = plain_model.engines[(is_prefill, ("multi_lora",))]
         matches = {p.name: p.matches for p in engine.stats.passes}
-        # Per layer: the norm before q/k/v, the add + norm before gate/up, the SwiGLU before down
-        # (o_proj's input comes from attention and keeps its shrink).
-        assert matches["LoraPrologue"] == 3 * layers
-        assert plain_engine.stats.kernel_count - engine.stats.kernel_count == 3 * layers
+        # Per layer: the norm before q/k/v and the add + norm before gate/up (o_proj's input comes
+        # from attention, down_proj's from the SwiGLU: both keep their shrinks).
+        assert matches["LoraPrologue"] == 2 * layers
+        assert plain_engine.stats.kernel_count - engine.stats.kernel_count == 2 * layers
         ops = _ops(engine)
-        assert ops.count("lora_shrink_concat") == layers
+        assert ops.count("lora_shrink_concat") == 2 * layers
         assert ops.count("rms_norm_lora_concat") == 1  # layer 0: no residual add yet
         assert ops.count("add_rms_norm_lora_concat") == 2 * layers - 1
-        assert ops.count("swiglu_lora_concat") == layers
-        assert "swiglu" not in ops
         # One norm is left, whatever form NormLinear gave it: the final one, before the LM head.
         assert sum(ops.count(op) for op in ("rms_norm", "add_rms_norm", "norm_linear")) == 1
         if backend == "triton":

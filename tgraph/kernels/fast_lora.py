@@ -1,7 +1,6 @@
 """Triton-backend wrappers of ``lora_shrink_concat`` (the multi-LoRA shrink kernel that writes
 the concatenated operand ``[x | scaled shrink]`` of a LoRA linear's single GEMM) and of the fused
-producers ``rms_norm_lora_concat``, ``add_rms_norm_lora_concat`` and ``swiglu_lora_concat``: one
-launch for a decode batch (:func:`tgraph.kernels.triton.lora.lora_prologue_concat`), else the
+producers ``rms_norm_lora_concat`` and ``add_rms_norm_lora_concat``: one launch for a decode batch (:func:`tgraph.kernels.triton.lora.lora_prologue_concat`), else the
 producer's kernel writing ``x`` into the operand and the shrink after it.
 
 Importing this module registers the wrapper into :mod:`tgraph.kernels.fast`'s kernel table (the
@@ -14,8 +13,7 @@ import torch
 
 from tgraph.kernels import fast
 
-__all__ = ["add_rms_norm_lora_concat_into", "lora_shrink_concat_into", "rms_norm_lora_concat_into",
-           "swiglu_lora_concat_into"]
+__all__ = ["add_rms_norm_lora_concat_into", "lora_shrink_concat_into", "rms_norm_lora_concat_into"]
 
 
 @fast._register("lora_shrink_concat")
@@ -112,22 +110,3 @@ def add_rms_norm_lora_concat_into(outs: fast.Outs, x: torch.Tensor, residual: to
                          lead)
     return outs[0], outs[1]
 
-
-@fast._register("swiglu_lora_concat")
-def swiglu_lora_concat_into(outs: fast.Outs, gate_up: torch.Tensor, a_stack, scaling,
-                            token_slots, token_order, seg_start, counters, *, lead: int,
-                            width: int) -> torch.Tensor:
-    """``outs[0] = lora_shrink_concat(silu(gate) * up, ...)`` on a packed gate|up."""
-    from tgraph.kernels.triton.activations import swiglu
-    from tgraph.kernels.triton.lora import lora_prologue_concat, prologue_fits
-
-    gu = fast._rows(gate_up)
-    k = gu.shape[1] // 2
-    out = _operand(outs, k, width, "swiglu_lora_concat")
-    if prologue_fits("swiglu", gu.shape[0], k):
-        lora_prologue_concat("swiglu", gu, a_stack, scaling, token_slots, out, lead=lead)
-    else:
-        swiglu(gu, out[:, :k])
-        _shrink_in_place(out, k, a_stack, scaling, token_slots, token_order, seg_start, counters,
-                         lead)
-    return outs[0]

@@ -20,15 +20,13 @@ grouping computed once per step, so the kernel of every adapted linear skips the
 ``counters`` int32 ``[C]``: the kernel's arrival counters, a persistent zeroed buffer it leaves
 zeroed (the reference ignores it).
 
-Fused producers (the ``LoraPrologue`` pass): the op that computes ``x`` for a LoRA linear and
-nothing else (the RMSNorm before q/k/v and gate/up, with or without the residual add, and the
-SwiGLU before down) folds into the concat, so a decode step launches one kernel where it launched
-two::
+Fused producers (the ``LoraPrologue`` pass): the RMSNorm that computes ``x`` for a LoRA linear and
+nothing else (before q/k/v and gate/up, with or without the residual add) folds into the concat,
+so a decode step launches one kernel where it launched two::
 
     rms_norm_lora_concat(h, norm_weight, <lora inputs>, *, eps, lead, width) -> xcat
     add_rms_norm_lora_concat(x, residual, norm_weight, <lora inputs>, *, eps, lead, width)
         -> (xcat, x + residual)
-    swiglu_lora_concat(gate_up, <lora inputs>, *, lead, width) -> xcat
 
 ``<lora inputs>`` are ``a_stack, scaling, token_slots, token_order, seg_start, counters`` as
 above. Each reference is the composition of the unfused references, so a fused engine on the
@@ -49,12 +47,7 @@ from tgraph.ir.ops.registry import (
     require_rank,
     require_same_dtype,
 )
-from tgraph.ir.ops.fused import (
-    _add_rms_norm_infer,
-    _swiglu_infer,
-    add_rms_norm_reference,
-    swiglu_reference,
-)
+from tgraph.ir.ops.fused import _add_rms_norm_infer, add_rms_norm_reference
 from tgraph.ir.ops.norms import _norm_infer, rms_norm_reference
 from tgraph.ir.shape import dims_conflict
 
@@ -178,20 +171,9 @@ def add_rms_norm_lora_concat_reference(x, residual, norm_weight, *lora, eps, lea
     return lora_shrink_concat_reference(normed, *lora, lead=lead, width=width), summed
 
 
-def _swiglu_concat_infer(gate_up: Meta, *lora: Meta, lead: int, width: int) -> Meta:
-    return _shrink_concat_infer(_swiglu_infer(gate_up), *lora, lead=lead, width=width)
-
-
-def swiglu_lora_concat_reference(gate_up, *lora, lead, width):
-    return lora_shrink_concat_reference(swiglu_reference(gate_up), *lora, lead=lead, width=width)
-
-
 register_op("rms_norm_lora_concat", infer=_rms_norm_concat_infer,
             reference=rms_norm_lora_concat_reference, category=OpCategory.FUSED,
             doc="rms_norm(h) * norm_weight" + _DOC_TAIL)
 register_op("add_rms_norm_lora_concat", infer=_add_rms_norm_concat_infer,
             reference=add_rms_norm_lora_concat_reference, category=OpCategory.FUSED,
             doc="(rms_norm(x + residual) * norm_weight" + _DOC_TAIL + ", x + residual)")
-register_op("swiglu_lora_concat", infer=_swiglu_concat_infer,
-            reference=swiglu_lora_concat_reference, category=OpCategory.FUSED,
-            doc="silu(gate) * up on a packed gate|up tensor" + _DOC_TAIL)

@@ -228,7 +228,7 @@ def _shrink_concat_kernel(
 
 
 # What the per-token kernel computes x from (its PROLOGUE constexpr).
-PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_ADD_RMS_NORM, PROLOGUE_SWIGLU = 0, 1, 2, 3
+PROLOGUE_NONE, PROLOGUE_RMS_NORM, PROLOGUE_ADD_RMS_NORM = 0, 1, 2
 
 
 @triton.jit
@@ -236,17 +236,12 @@ def _x_tile(x_row, r_row, g_ptr, sum_row, offs_k, mask_k, keep, K, eps,
             PROLOGUE: tl.constexpr, DTYPE: tl.constexpr):
     """One K tile of the token's ``x`` in ``DTYPE``, computed as the unfused producer stores it.
 
-    ``PROLOGUE_NONE``: read. ``PROLOGUE_SWIGLU``: ``silu(gate) * up`` from the packed row (up at
-    column ``K``), in fp32 and rounded once. The norms (the whole row in this one tile): the
-    sum ``x + residual`` rounded and stored where ``keep`` (add), then
+    ``PROLOGUE_NONE``: read. The norms (the whole row in this one tile): the sum
+    ``x + residual`` rounded and stored where ``keep`` (add), then
     ``weight * (s * rsqrt(mean(s**2) + eps)).to(DTYPE)``, as ``tgraph.kernels.triton.norms``.
     """
     if PROLOGUE == 0:
         xv = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(DTYPE)
-    elif PROLOGUE == 3:
-        g = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        u = tl.load(x_row + K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        xv = (g / (1.0 + tl.exp(-g)) * u).to(DTYPE)
     else:
         h = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
         if PROLOGUE == 2:
@@ -584,17 +579,15 @@ def lora_shrink_concat(
 
 
 # lora_prologue_concat's prologue names -> the kernel's PROLOGUE values.
-PROLOGUES = {"rms_norm": PROLOGUE_RMS_NORM, "add_rms_norm": PROLOGUE_ADD_RMS_NORM,
-             "swiglu": PROLOGUE_SWIGLU}
+PROLOGUES = {"rms_norm": PROLOGUE_RMS_NORM, "add_rms_norm": PROLOGUE_ADD_RMS_NORM}
 
 
 def prologue_fits(prologue: str, num_tokens: int, in_features: int) -> bool:
     """Whether :func:`lora_prologue_concat` takes these sizes: a decode batch (at most 64
-    tokens), and for the norms a row that one program holds whole (``in_features <= 8192``)."""
+    tokens) of rows that one program holds whole (``in_features <= 8192``)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"unknown prologue {prologue!r}; expected one of {sorted(PROLOGUES)}")
-    whole_row = prologue == "swiglu" or in_features <= _ROWS_CHUNK_ELEMS
-    return num_tokens <= _ROWS_MAX_TOKENS and whole_row
+    return num_tokens <= _ROWS_MAX_TOKENS and in_features <= _ROWS_CHUNK_ELEMS
 
 
 def rows_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -626,18 +619,16 @@ def lora_prologue_concat(
     - ``"rms_norm"``: ``p(x) = rms_norm(x) * norm_weight``.
     - ``"add_rms_norm"``: ``summed = x + residual`` (rounded, written), ``p = rms_norm(summed) *
       norm_weight``.
-    - ``"swiglu"``: ``x`` is the packed ``[T, 2K]`` gate|up, ``p(x) = silu(gate) * up`` (fp32,
-      rounded once).
 
     Args:
         prologue: one of :data:`PROLOGUES`.
-        x: ``[T, K]`` (``[T, 2K]`` for SwiGLU), ``lora_a``'s dtype, contiguous rows' last dim.
+        x: ``[T, K]`` in ``lora_a``'s dtype, last dim contiguous.
         lora_a, scaling, token_slots, out, lead: as :func:`lora_shrink_concat`.
         residual: ``[T, K]`` (add_rms_norm).
-        norm_weight: ``[K]`` in ``x``'s dtype (the norms).
+        norm_weight: ``[K]`` in ``x``'s dtype.
         summed: ``[T, K]`` output of the sum (add_rms_norm); must not overlap ``x`` or
             ``residual`` (every program reads the whole rows while others write their slices).
-        eps: the RMSNorm epsilon (the norms).
+        eps: the RMSNorm epsilon.
 
     Returns:
         ``out``.
@@ -650,10 +641,9 @@ def lora_prologue_concat(
     _check_tensor(fn, "lora_a", lora_a, 3, device)
     L, R, K = lora_a.shape
     T = x.shape[0]
-    width_in = 2 * K if prologue == "swiglu" else K
-    if x.shape[1] != width_in:
-        raise ValueError(f"{fn}: x must be [T, {width_in}] for {prologue} with lora_a "
-                         f"{list(lora_a.shape)}, got {list(x.shape)}")
+    if x.shape[1] != K:
+        raise ValueError(f"{fn}: x must be [T, {K}] to match lora_a {list(lora_a.shape)}, got "
+                         f"{list(x.shape)}")
     if lora_a.dtype != x.dtype:
         raise TypeError(f"{fn}: lora_a dtype {lora_a.dtype} must match x dtype {x.dtype}")
     _check_tensor(fn, "out", out, 2, device)
@@ -665,15 +655,14 @@ def lora_prologue_concat(
     _check_slots(token_slots, T, device)
     if not prologue_fits(prologue, T, K):
         raise ValueError(f"{fn}: {T} tokens of {K} features is not a decode batch this kernel "
-                         f"takes (at most {_ROWS_MAX_TOKENS} tokens; norms of at most "
+                         f"takes (at most {_ROWS_MAX_TOKENS} tokens of at most "
                          f"{_ROWS_CHUNK_ELEMS} features); use the producer and lora_shrink_concat")
-    if prologue != "swiglu":
-        _check_tensor(fn, "norm_weight", norm_weight, 1, device)
-        if tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype:
-            raise ValueError(f"{fn}: norm_weight must be {x.dtype} [{K}], got "
-                             f"{norm_weight.dtype} {list(norm_weight.shape)}")
-        if not isinstance(eps, (int, float)) or eps < 0:
-            raise ValueError(f"{fn}: eps must be a non-negative number, got {eps!r}")
+    _check_tensor(fn, "norm_weight", norm_weight, 1, device)
+    if tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype:
+        raise ValueError(f"{fn}: norm_weight must be {x.dtype} [{K}], got "
+                         f"{norm_weight.dtype} {list(norm_weight.shape)}")
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"{fn}: eps must be a non-negative number, got {eps!r}")
     if prologue == "add_rms_norm":
         for name, t in (("residual", residual), ("summed", summed)):
             _check_tensor(fn, name, t, 2, device)
@@ -696,7 +685,7 @@ def _launch_rows(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor,
                  norm_weight: torch.Tensor | None = None, summed: torch.Tensor | None = None,
                  eps: float = 0.0) -> None:
     """The per-token kernel on checked arguments (see the module docstring); ``x`` is the
-    prologue's input (``[T, 2K]`` gate|up for SwiGLU)."""
+    prologue's input."""
     T = x.shape[0]
     L, R, K = lora_a.shape
     block_k = min(triton.next_power_of_2(K), _ROWS_CHUNK_ELEMS)
