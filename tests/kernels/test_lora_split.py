@@ -304,6 +304,8 @@ def test_rejects_bad_input():
         lora_shrink_concat(x, a, scaling, slots, out, counters[:2], splits=2)
     with pytest.raises(ValueError, match="splits must be a positive int"):
         lora_shrink_concat(x, a, scaling, slots, out, counters, splits=0)
+    with pytest.raises(ValueError, match=r"per-token kernel \(rows=True\) takes neither"):
+        lora_shrink_concat(x, a, scaling, slots, out, counters, splits=2, rows=True)
 
 
 # --------------------------------------------------------------------------- sm_90 compile

@@ -150,12 +150,19 @@ def test_mixed_batch_matches_peft(lora_setup, graph):
     assert set(model.engines) == {(True, ("multi_lora",)), (False, ("multi_lora",))}
 
 
-def test_multi_load_unload_at_run_time(lora_setup):
-    tm, root, peft = lora_setup
+def _multi_with_two_adapters(lora_setup) -> tuple[Any, Any]:
+    """The tiny model with two multi-LoRA slots, holding "qv" and "mlp"."""
+    tm, root, _ = lora_setup
     model = load_tiny(tm.path, features={"multi_lora": {"max_rank": 8, "max_loras": 2}})
     multi = model.features["multi_lora"]
     multi.load("qv", root / "qv")
     multi.load("mlp", root / "mlp")
+    return model, multi
+
+
+def test_multi_load_unload_at_run_time(lora_setup):
+    tm, root, peft = lora_setup
+    model, multi = _multi_with_two_adapters(lora_setup)
     with pytest.raises(ConfigError, match="max_loras=2"):
         multi.load("all", root / "all")
     assert_matches(run_steps(model, PROMPTS[:2], ["qv", "mlp"], steps=1),
@@ -174,11 +181,8 @@ def test_multi_load_unload_at_run_time(lora_setup):
 
 def test_multi_batch_arrays_follow_adapter_and_batch_changes(lora_setup):
     # The arrays of the last batch are reused while nothing they depend on changes.
-    tm, root, _ = lora_setup
-    model = load_tiny(tm.path, features={"multi_lora": {"max_rank": 8, "max_loras": 2}})
-    multi = model.features["multi_lora"]
-    multi.load("qv", root / "qv")
-    multi.load("mlp", root / "mlp")
+    root = lora_setup[1]
+    _, multi = _multi_with_two_adapters(lora_setup)
     decode = BatchMeta([1, 2, 3], [5, 5, 5], [-1, -1, -1], [1, 1, 1], [6, 6, 6], [[0]] * 3,
                        is_prefill=False, loras=["mlp", None, "qv"])
     first = multi.batch_arrays(decode)

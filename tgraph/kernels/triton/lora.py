@@ -548,6 +548,9 @@ def lora_shrink_concat(
         _check_segments(segments, T, L, device)
     if rows is None:
         rows = T <= _ROWS_MAX_TOKENS and splits is None and config is None
+    elif rows and (splits is not None or config is not None):
+        raise ValueError(f"{fn}: splits and config are options of the slot-tile kernel; the "
+                         "per-token kernel (rows=True) takes neither")
     if rows:
         _launch_rows(x, lora_a, scaling, token_slots, out, lead)
         return out
