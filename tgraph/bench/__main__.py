@@ -21,7 +21,8 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", nargs="*", default=["hf", "compile"],
                         help="peers to measure: hf (eager), compile (StaticCache + torch.compile)")
     parser.add_argument("--profile", action="store_true",
-                        help="lora: also print each system's kernels by time (torch profiler)")
+                        help="lora: also print each system's kernels by time (torch profiler) and "
+                             "its step kernel by kernel (tgraph.bench.timeline)")
     args = parser.parse_args(argv)
     import torch
 

@@ -245,7 +245,10 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
         warmup, iters: untimed and timed steps per system.
         preset_name: recorded in the result.
         cuda_graph: capture decode CUDA graphs (only on CUDA).
-        profile: also print each system's CUDA kernels by total time (torch profiler, 20 steps).
+        profile: also print each system's CUDA kernels by total time (torch profiler, 20 steps)
+            and one step kernel by kernel (:mod:`tgraph.bench.timeline`). NOTE: once the
+            profiler has run, graph launches cost more host time for the rest of the process, so
+            the systems timed after a profile read slower: compare their replay times.
 
     Returns:
         The measurement; a system that raised is listed in ``skipped`` with the error.
