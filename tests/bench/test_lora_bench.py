@@ -122,6 +122,23 @@ def test_measure_lora_decode_smoke_cpu():
         measure_lora_decode(TINY, batch=0, device="cpu")
 
 
+def test_profiles_come_after_every_system_is_timed(capsys, monkeypatch):
+    # The profiler leaves launches slower for the rest of the process: no system may be timed
+    # after a profile ran.
+    from tgraph.bench import lora as lora_bench
+
+    events = []
+    timed = lora_bench._median_ms
+    monkeypatch.setattr(lora_bench, "_median_ms",
+                        lambda *a, **k: events.append("time") or timed(*a, **k))
+    monkeypatch.setattr(lora_bench, "_print_profile",
+                        lambda system, step, device: events.append(f"profile {system}"))
+    r = measure_lora_decode(TINY, batch=4, context=16, max_loras=2, rank=4,
+                            dtype=torch.float32, device="cpu", warmup=1, iters=1, profile=True)
+    assert not r.skipped, r.skipped
+    assert events == ["time"] * 3 + [f"profile {s}" for s in ("base", "multi_lora", "single_lora")]
+
+
 def test_bench_lora_subcommand_needs_cuda(capsys):
     from tgraph.bench.__main__ import main
 

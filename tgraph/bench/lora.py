@@ -246,9 +246,8 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
         preset_name: recorded in the result.
         cuda_graph: capture decode CUDA graphs (only on CUDA).
         profile: also print each system's CUDA kernels by total time (torch profiler, 20 steps)
-            and one step kernel by kernel (:mod:`tgraph.bench.timeline`). NOTE: once the
-            profiler has run, graph launches cost more host time for the rest of the process, so
-            the systems timed after a profile read slower: compare their replay times.
+            and one step kernel by kernel (:mod:`tgraph.bench.timeline`), after every system is
+            timed (the profiler leaves graph launches slower for the rest of the process).
 
     Returns:
         The measurement; a system that raised is listed in ``skipped`` with the error.
@@ -314,12 +313,19 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
                 result.replay_ms[system] = time_ms(lambda: [g.replay() for g in graphs],
                                                    warmup=warmup, iters=iters)
                 result.host_ms[system] = host_ms(step, iters=iters)
-            if profile:
-                _print_profile(system, step, device)
         except Exception as err:  # a failing system is reported, the others still measured
             result.skipped[system] = f"{type(err).__name__}: {str(err)[:300]}"
         finally:
             single.activate(None)
+    # Profiles last: once the profiler has run, graph launches cost more host time for the rest
+    # of the process, which would slow every system timed after it.
+    for system, (batch_meta, active) in runs.items():
+        if profile and system not in result.skipped:
+            single.activate(active)
+            try:
+                _print_profile(system, functools.partial(model.run, batch_meta), device)
+            finally:
+                single.activate(None)
 
     if "base" in logits:
         for system in ("multi_lora", "single_lora"):
