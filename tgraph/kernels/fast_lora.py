@@ -35,14 +35,11 @@ def lora_shrink_concat_into(outs: fast.Outs, x: torch.Tensor, a_stack: torch.Ten
     """
     from tgraph.kernels.triton.lora import lora_shrink_concat
 
-    out = outs[0]
     x2 = fast._rows(x)
-    if out.shape[-1] != x2.shape[1] + width:
-        raise ValueError(f"lora_shrink_concat: the output buffer {list(out.shape)} must have "
-                         f"K + width = {x2.shape[1] + width} columns")
-    lora_shrink_concat(x2, a_stack, scaling, token_slots, out.view(-1, out.shape[-1]), counters,
-                       lead=lead, segments=(token_order, seg_start))
-    return out
+    out = _operand(outs, x2.shape[1], width, "lora_shrink_concat")
+    lora_shrink_concat(x2, a_stack, scaling, token_slots, out, counters, lead=lead,
+                       segments=(token_order, seg_start))
+    return outs[0]
 
 
 def _operand(outs: fast.Outs, in_features: int, width: int, op: str) -> torch.Tensor:
