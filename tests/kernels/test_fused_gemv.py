@@ -50,12 +50,12 @@ def _inputs(M, N_out, K, dtype, gated, device=DEV):
 
 
 def _run(M, N_out, K, dtype, *, gated, norm, with_g=True, bias=False, residual=False, split_k=None,
-         device=DEV):
+         device=DEV, config=None):
     x, w, g, b, r = _inputs(M, N_out, K, dtype, gated, device)
     out = torch.full((M, N_out), float("nan"), dtype=dtype, device=device)
     small_m_linear(x, w, out, bias=b if bias else None, residual=r if residual else None,
                    split_k=split_k, norm_eps=EPS if norm else None,
-                   norm_weight=g if norm and with_g else None, gated=gated)
+                   norm_weight=g if norm and with_g else None, gated=gated, config=config)
     expected = _reference(x, w, g=g if with_g else None, norm=norm, gated=gated,
                           bias=b if bias else None, residual=r if residual else None)
     tol = TOL[dtype]
@@ -86,6 +86,19 @@ def test_norm_and_gate_together(M, split_k):
 @pytest.mark.parametrize("M", [1, 2])
 def test_norm_without_weight_and_residual(M):
     _run(M, 32, 64, torch.float32, gated=False, norm=True, with_g=False, residual=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M", [5, 16, 33])
+@pytest.mark.parametrize("fusion", ["plain", "norm", "gated", "norm+gated"])
+@pytest.mark.parametrize("split", [1, 3])
+def test_swapped_operands(dtype, M, fusion, split):
+    # BLOCK_N = 64 at 16-row blocks swaps the MMA operands (weight tile on the M side). N = 70 is
+    # ragged against the 64-wide block; K = 200 against the 64-wide K tile (4 tiles, so 3 splits
+    # really split); M = 33 spans two row blocks.
+    config = (64, 64, split, 4, 2)
+    _run(M, 70, 200, dtype, gated="gated" in fusion, norm="norm" in fusion, bias=True,
+         residual=True, config=config)
 
 
 def test_gated_split_uses_a_double_workspace():
@@ -121,6 +134,19 @@ def test_gated_config_halves_the_m1_block():
     assert gated[0] * 2 == plain[0] and gated[1:] == plain[1:]
 
 
+def test_fused_configs_swap_the_operands_at_16_rows():
+    # A fused norm or gate at 16-row blocks takes 64 weight rows per program (swapped operands)
+    # and no split; the stages fit 227 KB of shared memory: 4 x (64 + 16) x 256 x 2 B with one
+    # weight tile, 3 x (2 x 64 + 16) x 256 x 2 B with two, and fp32 halves the K tile.
+    assert choose_config(16, 3072, 2048, "cpu", norm=True) == (64, 256, 1, 4, 4)
+    assert choose_config(16, 8192, 2048, "cpu", gated=True, norm=True) == (64, 256, 1, 4, 3)
+    assert choose_config(16, 8192, 2048, "cpu", gated=True) == (64, 128, 1, 4, 4)
+    assert choose_config(16, 8192, 2048, "cpu", gated=True, norm=True, itemsize=4)[:2] == (64, 128)
+    # Unfused 16-row linears keep narrow column blocks and split to fill the GPU.
+    assert choose_config(16, 2048, 2048, "cpu")[0] == 16
+    assert choose_config(4, 3072, 2048, "cpu", norm=True)[0] == 16
+
+
 # --------------------------------------------------------------------------- GPU, real shapes
 
 @pytest.mark.gpu
@@ -131,3 +157,21 @@ def test_gpu_fused_real_shapes(shape, M, dtype):
     N, K = shape
     _run(M, N, K, dtype, gated=False, norm=True, bias=True, device="cuda")
     _run(M, N, K, dtype, gated=True, norm=True, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [5, 16])
+@pytest.mark.parametrize("shape", [(3072, 2048), (2048, 8192), (8192, 2048), (4864, 896)])
+def test_gpu_swapped_operands_real_shapes(shape, M):
+    N, K = shape
+    for split in (1, 4):
+        config = (64, 256 if K < 8192 else 128, split, 4, 4)
+        _run(M, N, K, torch.bfloat16, gated=False, norm=False, residual=True, config=config,
+             device="cuda")
+        _run(M, N, K, torch.bfloat16, gated=False, norm=True, bias=True, config=config,
+             device="cuda")
+        # Two weight tiles and the activations' tile per stage: 128-wide K tiles fit 4 stages.
+        _run(M, N, K, torch.bfloat16, gated=True, norm=False, config=(64, 128, split, 4, 4),
+             device="cuda")
+        _run(M, N, K, torch.bfloat16, gated=True, norm=True, config=config[:4] + (3,),
+             device="cuda")

@@ -163,7 +163,7 @@ def test_small_m_linear_rejects_bad_input():
 def test_choose_config_splits_evenly_and_fills_the_gpu_above_m1():
     for M in (1, 2, 4, 8, 16, 32):
         for N, K in [(2048, 2048), (8192, 2048), (2048, 8192), (6144, 4096), (4096, 14336), (128256, 2048)]:
-            block_n, block_k, split_k, num_warps = choose_config(M, N, K, "cpu")
+            block_n, block_k, split_k, num_warps, _ = choose_config(M, N, K, "cpu")
             k_blocks = -(-K // block_k)
             per_split = -(-k_blocks // split_k)
             # Every split has the same number of K blocks, none empty.
@@ -185,7 +185,12 @@ def test_choose_config_splits_evenly_and_fills_the_gpu_above_m1():
 def test_prefer_small_m():
     assert prefer_small_m(1, 4096, 4096)
     assert prefer_small_m(4, 4096, 4096)
-    assert not prefer_small_m(16, 4096, 4096)  # cuBLAS ties or wins from here (H200 sweep)
+    assert prefer_small_m(16, 4096, 4096)
+    assert not prefer_small_m(17, 4096, 4096)  # cuBLAS's tensor-core tiles win from here
+    # Above 4 rows a plain linear (nothing fused) goes to cuBLAS unless K is long.
+    assert prefer_small_m(4, 4096, 4096, fused=False)
+    assert not prefer_small_m(16, 4096, 4096, fused=False)
+    assert prefer_small_m(16, 2048, 8192, fused=False)
     assert not prefer_small_m(0, 4096, 4096)
 
 

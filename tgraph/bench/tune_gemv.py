@@ -1,12 +1,15 @@
 """Sweep launch configurations of the small-M linear at real model shapes (run on a GPU).
 
-``python -m tgraph.bench.tune_gemv [OUT.json] [--m 1,16] [--shapes N:K,...]``
+``python -m tgraph.bench.tune_gemv [OUT.json] [--m 1,16] [--shapes N:K,...] [--fusion F]``
 
 The weights are read cold, as in a decode step (:func:`tgraph.bench.timing.cold_copies`): each
 candidate is timed over a chain of launches inside one CUDA graph, each launch reading its own
 copy of the weight.
 Prints, per shape, the current heuristic, the best candidate and cuBLAS, as fractions of the
-copy bandwidth measured in the same run.
+copy bandwidth measured in the same run. ``--fusion`` times the decode fusions instead of the
+plain linear: ``residual`` (added in the epilogue), ``norm`` (RMSNorm prologue), ``gated`` (SwiGLU
+on a ``[2N, K]`` gate|up weight) or ``norm+gated``; cuBLAS then runs the plain GEMM of the same
+weight (its separate norm / SwiGLU / residual kernels are not timed).
 """
 from __future__ import annotations
 
@@ -26,10 +29,26 @@ SHAPES = [  # (N, K): llama-3.2-1b, qwen2.5-0.5b, llama-3-8b linears
 ]
 
 
-def _space(m: int):
+def _space(m: int, widths: tuple[int, ...] | None = None):
     if m == 1:
-        return itertools.product((4, 8, 16), (512, 1024), (4, 8), (2, 3, 4), (1, 2))
-    return itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4))
+        return itertools.product(widths or (4, 8, 16), (512, 1024), (4, 8), (2, 3, 4), (1, 2))
+    # Output blocks of 64 or more swap the MMA operands (see tgraph.kernels.triton.gemv).
+    return itertools.product(widths or (16, 32, 64, 128), (128, 256), (4,), (3, 4), (1, 2, 4))
+
+
+FUSIONS = ("plain", "residual", "norm", "gated", "norm+gated")
+
+
+def _fusion_kwargs(fusion: str, m: int, n: int, k: int) -> dict:
+    kwargs = {}
+    if fusion == "residual":
+        kwargs["residual"] = torch.randn(m, n, device="cuda", dtype=torch.bfloat16)
+    if "norm" in fusion:
+        kwargs["norm_eps"] = 1e-5
+        kwargs["norm_weight"] = torch.randn(k, device="cuda", dtype=torch.bfloat16)
+    if "gated" in fusion:
+        kwargs["gated"] = True
+    return kwargs
 
 
 def main() -> None:
@@ -37,7 +56,11 @@ def main() -> None:
     parser.add_argument("out", nargs="?")
     parser.add_argument("--m", default="1,16", help="row counts to sweep")
     parser.add_argument("--shapes", help="N:K pairs, comma separated (default: all presets')")
+    parser.add_argument("--fusion", choices=FUSIONS, default="plain",
+                        help="time this decode fusion (N counts output columns)")
+    parser.add_argument("--widths", help="BLOCK_N values to sweep, comma separated")
     args = parser.parse_args()
+    widths = tuple(int(v) for v in args.widths.split(",")) if args.widths else None
     shapes = ([tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
               if args.shapes else SHAPES)
     ceil = measure_ceilings()
@@ -46,32 +69,42 @@ def main() -> None:
     for m in (int(v) for v in args.m.split(",")):
         for n, k in shapes:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            weights = cold_copies((n, k))
+            gated = "gated" in args.fusion
+            rows = 2 * n if gated else n
+            weights = cold_copies((rows, k))
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
-            nbytes = (n * k + m * k + m * n) * 2
+            wide = torch.empty(m, rows, device="cuda", dtype=torch.bfloat16)
+            kw = _fusion_kwargs(args.fusion, m, n, k)
+            nbytes = (rows * k + m * k + m * n) * 2
             frac = lambda t: nbytes / (t * 1e-3) / 1e9 / ceil.copy_gbps  # noqa: E731
-            cur = cold_ms(lambda w: small_m_linear(x, w, out), weights)
-            cublas = cold_ms(lambda w: torch.mm(x, w.t(), out=out), weights)
+            cur = cold_ms(lambda w: small_m_linear(x, w, out, **kw), weights)
+            cublas = cold_ms(lambda w: torch.mm(x, w.t(), out=wide), weights)
             best = (cur, None)
-            for bn, bk, warps, stages, split in _space(m):
+            failed = []
+            for bn, bk, warps, stages, split in _space(m, widths):
                 if split > 1 and bk * split > 2 * k:
                     continue
-                ws = torch.empty(max(split * m * n, 1), device="cuda", dtype=torch.float32)
+                ws = torch.empty(max(split * m * rows, 1), device="cuda", dtype=torch.float32)
                 cfg = (bn, bk, split, warps, stages)
                 try:
-                    t = cold_ms(lambda w: small_m_linear(x, w, out, workspace=ws, config=cfg),
+                    t = cold_ms(lambda w: small_m_linear(x, w, out, workspace=ws, config=cfg, **kw),
                                 weights)
-                except Exception:
+                except Exception as exc:  # a config the compiler or the device refuses
                     torch.cuda.synchronize()
+                    failed.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
                 if t < best[0]:
                     best = (t, cfg)
-            row = dict(M=m, N=n, K=k, current=cur, current_cfg=choose_config(m, n, k, "cuda"),
+            row = dict(M=m, N=n, K=k, fusion=args.fusion, current=cur,
+                       current_cfg=choose_config(m, n, k, "cuda", gated=gated,
+                                                 norm="norm" in args.fusion),
                        best=best[0], best_cfg=best[1], cublas=cublas, chain=len(weights))
             results.append(row)
-            print(f"M={m:<3} N={n:<7} K={k:<6} current {cur * 1e3:7.2f}us {frac(cur):5.1%}  "
+            print(f"{args.fusion:<10} M={m:<3} N={n:<7} K={k:<6} current {cur * 1e3:7.2f}us {frac(cur):5.1%}  "
                   f"best {best[0] * 1e3:7.2f}us {frac(best[0]):5.1%} {best[1]}  "
                   f"cublas {cublas * 1e3:7.2f}us {frac(cublas):5.1%}", flush=True)
+            if failed:
+                print(f"  {len(failed)} configs failed, first: {failed[0]}")
             del weights
     if args.out:
         with open(args.out, "w") as f:

@@ -32,7 +32,10 @@ every M of the bucket):
   across K once after the loop (no cross-lane reduction per iteration).
 - ``BLOCK_M in (2, 4)``: broadcast product ``[BLOCK_M, BLOCK_N, BLOCK_K]`` reduced per iteration.
 - ``BLOCK_M >= 16`` (M >= 5): ``tl.dot`` on tensor cores; M is padded to 16/32 which costs nothing in
-  a bandwidth-bound kernel.
+  a bandwidth-bound kernel. With ``BLOCK_N >= 64`` the operands are swapped (``SWAP_AB``): the
+  weight tile is the MMA's M side (``acc[BLOCK_N, BLOCK_M] = w @ x.T``, transposed once after the
+  loop), so a program streams a weight tile several times larger than the activations' tile
+  instead of one as small as it.
 """
 from __future__ import annotations
 
@@ -57,8 +60,8 @@ _MAX_BLOCK_M = 32
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCE_BLOCK_N = 1024
 # Largest M that prefer_small_m sends to this kernel; TGRAPH_SMALL_M_MAX overrides it (read once,
-# for A/B measurements of whole decode steps).
-_SMALL_M_MAX = int(os.environ.get("TGRAPH_SMALL_M_MAX", "4"))
+# for A/B measurements of whole decode steps; tgraph.bench.ab can also set it).
+_SMALL_M_MAX = int(os.environ.get("TGRAPH_SMALL_M_MAX", "16"))
 # Launch parameters at M = 1 and at 16-row blocks, measured with cold weights on an H200
 # (tgraph.bench.tune_gemv, docs/bench/h200-gemv-tune-cold*.json|txt); module constants so that
 # tgraph.bench.ab can compare whole decode steps with other values (docs/bench/h100-ab-gemv.txt:
@@ -69,6 +72,17 @@ _M1_GATED_BLOCK_N = 2      # a gated gate|up program reads two weight rows per o
 _M1_STAGES = 3
 _M16_BLOCK_K = 256
 _M16_STAGES = 4
+# K from which a 16-row linear without fusions takes the swapped long-K configuration.
+_M16_LONG_K = 8192
+# 16-row blocks with the norm or the gate fused: output columns per program (64 or more swaps the
+# MMA operands, SWAP_AB) and K tile.
+_M16_FUSED_BLOCK_N = 64
+_M16_FUSED_BLOCK_K = 256
+# Launch configurations by shape that replace the heuristic's: (BLOCK_M bucket, N, K, gated, norm)
+# -> (BLOCK_N, BLOCK_K, split_k, num_warps, num_stages), each measured in whole decode steps
+# (tgraph.bench.ab can set this table, e.g.
+# --set "tgraph.kernels.triton.gemv.CONFIG_OVERRIDES={(16, 2048, 8192, False, False): (64, 128, 4, 4, 4)}").
+CONFIG_OVERRIDES: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int, int]] = {}
 
 
 @triton.jit
@@ -94,13 +108,18 @@ def _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M: tl.constexpr, N
 
 
 @triton.jit
-def _mac(acc, w, xv, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr):
+def _mac(acc, w, xv, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
     """``acc += x_tile . w_tile`` for one K tile, by M bucket (see the module docstring)."""
     if BLOCK_M == 1:
         # acc is [BLOCK_N, BLOCK_K]: elementwise FMA, reduced over K once after the loop.
         return acc + w.to(tl.float32) * xv.to(tl.float32)
     elif BLOCK_M < 16:
         return acc + tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    elif SWAP_AB:
+        # acc is [BLOCK_N, BLOCK_M]: the weight tile on the MMA's M side.
+        if F32_DOT:
+            return tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), acc, input_precision="ieee")
+        return tl.dot(w, tl.trans(xv.to(w.dtype)), acc)
     elif F32_DOT:
         # Full-precision fp32 products (not TF32); see _use_f32_dot.
         return tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
@@ -125,14 +144,15 @@ def _load_w_tile(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, GATED
 @triton.jit
 def _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
             BLOCK_M: tl.constexpr, NORM: tl.constexpr, HAS_G: tl.constexpr,
-            NORM_PREPASS: tl.constexpr, GATED: tl.constexpr, F32_DOT: tl.constexpr):
+            NORM_PREPASS: tl.constexpr, GATED: tl.constexpr, F32_DOT: tl.constexpr,
+            SWAP_AB: tl.constexpr):
     """One K tile of the main loop: the activations' tile, its sums of squares, the products."""
     xv, part = _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G)
     if not NORM_PREPASS:
         sq += part
-    acc = _mac(acc, w, xv, BLOCK_M, F32_DOT)
+    acc = _mac(acc, w, xv, BLOCK_M, F32_DOT, SWAP_AB)
     if GATED:
-        acc_u = _mac(acc_u, w_u, xv, BLOCK_M, F32_DOT)
+        acc_u = _mac(acc_u, w_u, xv, BLOCK_M, F32_DOT, SWAP_AB)
     return acc, acc_u, sq
 
 
@@ -144,7 +164,7 @@ def _small_m_linear_kernel(
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     NORM: tl.constexpr, HAS_G: tl.constexpr, NORM_PREPASS: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr, PDL: tl.constexpr,
+    F32_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns ``[pid_n * BLOCK_N, +BLOCK_N)`` of ``BLOCK_M`` rows over one K split.
 
@@ -171,6 +191,8 @@ def _small_m_linear_kernel(
 
     if BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    elif SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros_like(acc)
@@ -188,15 +210,18 @@ def _small_m_linear_kernel(
             xp = xp.to(tl.float32)
             sq += tl.sum(xp * xp, axis=1)
     acc, acc_u, sq = _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
-                             BLOCK_M, NORM, HAS_G, NORM_PREPASS, GATED, F32_DOT)
+                             BLOCK_M, NORM, HAS_G, NORM_PREPASS, GATED, F32_DOT, SWAP_AB)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K, GATED)
         acc, acc_u, sq = _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
-                                 BLOCK_M, NORM, HAS_G, NORM_PREPASS, GATED, F32_DOT)
+                                 BLOCK_M, NORM, HAS_G, NORM_PREPASS, GATED, F32_DOT, SWAP_AB)
 
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
         acc_u = tl.sum(acc_u, axis=1)[None, :]
+    elif SWAP_AB:
+        acc = tl.trans(acc)
+        acc_u = tl.trans(acc_u)
     if NORM:
         rstd = tl.math.rsqrt(sq / K + eps)
         acc = acc * rstd[:, None]
@@ -279,29 +304,38 @@ def _block_m(M: int) -> int:
     return 16 if M <= 16 else _MAX_BLOCK_M
 
 
-def prefer_small_m(M: int, N: int, K: int) -> bool:
+def prefer_small_m(M: int, N: int, K: int, fused: bool = True) -> bool:
     """Whether :func:`small_m_linear` should run a linear instead of a cuBLAS GEMM.
 
     Up to 16 rows the product is bound by reading the weight and a GEMM tiled for large M wastes
-    most of its tile (and often leaves SMs idle); beyond that cuBLAS's tensor-core tiles win.
+    most of its tile (and often leaves SMs idle), and the kernel fuses the norm before the linear,
+    the SwiGLU after it and the residual; beyond that cuBLAS's tensor-core tiles win.
 
     Args:
         M: rows of ``x`` (tokens in the batch).
         N: output features.
         K: input features.
+        fused: the call fuses a norm, a gate or a residual, which cuBLAS would run as separate
+            kernels. A plain linear of more than 4 rows goes to cuBLAS unless K is long.
 
     Returns:
         True when the small-M kernel is the better choice.
     """
     # Measured (tgraph.bench.tune_gemv, H200): at M=1 the tuned kernel beats cuBLAS on every
-    # Llama/Qwen linear. At M=16 the plain kernel is up to 20% faster in isolation, but a whole
-    # Llama-3.2-1B batch-16 step with this kernel (and its norm/SwiGLU/residual fusions) took
-    # 1.74 ms against 1.38 ms with cuBLAS (tgraph.bench.ab, H100, 2026-11-22), so cuBLAS takes M > 4.
+    # Llama/Qwen linear. At M=16 it lost whole steps while its fused norm and gate ran 16-column
+    # blocks (Llama-3.2-1B batch 16: 1.74 against 1.38 ms with cuBLAS, H100, 2026-11-22); with
+    # swapped operands for those and for long K it wins them (docs/bench/h100-ab-small-m16.txt).
+    # Plain 16-row linears: the multi-LoRA GEMMs on [x | shrink] (the norm sits in the shrink's
+    # prologue) ran slower as 16-column blocks than on cuBLAS (tgraph bench lora, H100,
+    # 2026-11-25: mixed batch 1.24x the base step, 1.12-1.15x with cuBLAS).
+    if M > 4 and not fused and K < _M16_LONG_K:
+        return False
     return 1 <= M <= _SMALL_M_MAX and N >= 16 and K >= 16
 
 
 def choose_config(M: int, N: int, K: int, device: torch.device | str | None = None,
-                  gated: bool = False) -> tuple[int, int, int, int]:
+                  gated: bool = False, norm: bool = False,
+                  itemsize: int = 2) -> tuple[int, int, int, int, int]:
     """Pick the launch configuration of :func:`small_m_linear`.
 
     Args:
@@ -311,15 +345,23 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
         device: device the kernel runs on; its SM count decides split-K (132 when not CUDA).
         gated: the program also reads the "up" rows (two weight tiles per step), so the M=1
             path halves its output block to keep the same registers and bytes in flight.
+        norm: the RMSNorm is fused (the activations' tile is scaled in registers every K step).
+        itemsize: bytes per element of ``x`` and ``weight`` (the swapped path's shared-memory
+            budget halves its K tile for fp32).
 
     Returns:
-        ``(BLOCK_N, BLOCK_K, split_k, num_warps)``. Every split gets the same whole number of
-        ``BLOCK_K`` blocks except the last, which may get fewer (never none).
+        ``(BLOCK_N, BLOCK_K, split_k, num_warps, num_stages)``, the ``config`` argument of
+        :func:`small_m_linear`: the entry of ``CONFIG_OVERRIDES`` for this shape if there is one,
+        else the heuristic's, where every split gets the same whole number of ``BLOCK_K``
+        blocks except the last, which may get fewer (never none).
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     block_m = _block_m(M)
+    override = CONFIG_OVERRIDES.get((block_m, N, K, gated, norm))
+    if override is not None:
+        return override
     k_pow2 = triton.next_power_of_2(max(K, 16))
     if block_m == 1:
         # Cold-weight sweep on an H200 (tgraph.bench.tune_gemv, 2026-11-22,
@@ -328,18 +370,39 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
         # every Llama-3.2-1B / Qwen2.5-0.5B shape.
         block_n = _M1_GATED_BLOCK_N if gated else _M1_BLOCK_N
         block_k = min(1024, k_pow2)
-        return block_n, max(block_k, 16), 1, 4
-    elif block_m < 16:
+        return block_n, max(block_k, 16), 1, 4, _M1_STAGES
+    if block_m < 16:
         # The [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it at 8K elements.
-        block_n, block_k, num_warps = 16, min(512 // block_m, k_pow2), 4
+        block_n, block_k = 16, max(min(512 // block_m, k_pow2), 16)
+        stages = 3 if K >= 4096 else 2
+    elif gated or norm:
+        # 16 rows with a fused norm or gate: swapped operands, 64 weight rows per program, no
+        # split (a split needs a pass over all of K for the norm, and the gated grid fills the
+        # GPU). Cold-weight sweep on an H100 (docs/bench/h100-gemv-tune-m16-fused.txt): q|k|v
+        # with the norm 8.4 us against 14.7 for 16-column blocks; gate|up with norm and SwiGLU
+        # 26.9 us against 37.5 (cuBLAS alone, without the norm and SwiGLU kernels: 7.5 and 27.1);
+        # gate|up without the norm 25.7 us with 128-wide K tiles. Shared memory (227 KB) takes 4
+        # stages of one 64 x 256 weight tile, 3 of two; without the norm the activations' tile is
+        # staged in shared memory too, and two weight tiles need the K tile halved.
+        block_k = _M16_FUSED_BLOCK_K if norm or not gated else _M16_FUSED_BLOCK_K // 2
+        block_k = max(min(block_k * 2 // max(itemsize, 2), k_pow2), 16)
+        return _M16_FUSED_BLOCK_N, block_k, 1, 4, 3 if gated and norm else 4
+    elif K >= _M16_LONG_K:
+        # 16 rows, long K (down projections): swapped operands, 64 weight rows per program,
+        # 128-wide K tiles, split-K up to one wave. Llama-3.2-1B batch 16, whole steps
+        # (tgraph.bench.ab, H100, 2026-11-25): 1.260-1.267 ms per replay against 1.402-1.403 with
+        # 32-column blocks in 3 splits (192 programs), and 1.521-1.523 with 2 splits.
+        block_n = _M16_FUSED_BLOCK_N
+        block_k = max(min(128, k_pow2), 16)
+        n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+        split_k = _even_split(triton.cdiv(K, block_k), sm_count(device) // n_blocks)
+        return block_n, block_k, split_k, 4, 4
     else:
-        # 16 rows: 256-wide K tiles (128 for very long K, which splits instead), narrow outputs
-        # in 16-column blocks so that every SM gets a program (cold-weight sweep at M=16,
-        # docs/bench/h200-gemv-tune-cold-m16.txt).
-        block_k = min(_M16_BLOCK_K if K < 8192 else 128, k_pow2)
-        block_n = 16 if N <= 2048 and K < 8192 else 32
-        num_warps = 4
-    block_k = max(block_k, 16)
+        # 16 rows: 256-wide K tiles, narrow outputs in 16-column blocks so that every SM gets a
+        # program (cold-weight sweep at M=16, docs/bench/h200-gemv-tune-cold-m16.txt).
+        block_k = max(min(_M16_BLOCK_K, k_pow2), 16)
+        block_n = 16 if N <= 2048 else 32
+        stages = _M16_STAGES
 
     n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     k_blocks = triton.cdiv(K, block_k)
@@ -351,12 +414,17 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
     else:
         split_below = target = _PROGRAMS_PER_SM * sms
     split_k = 1
-    if n_blocks < split_below and k_blocks > 1:
-        want = min(triton.cdiv(target, n_blocks), k_blocks, _MAX_SPLIT_K)
-        # Even distribution of K blocks: a split never gets a short or empty range.
-        per_split = triton.cdiv(k_blocks, want)
-        split_k = triton.cdiv(k_blocks, per_split)
-    return block_n, block_k, split_k, num_warps
+    if n_blocks < split_below:
+        split_k = _even_split(k_blocks, triton.cdiv(target, n_blocks))
+    return block_n, block_k, split_k, 4, stages
+
+
+def _even_split(k_blocks: int, want: int) -> int:
+    """At most ``want`` splits (and ``_MAX_SPLIT_K``) of ``k_blocks`` K blocks, every split the
+    same whole number of blocks but the last, which may get fewer (never none)."""
+    want = max(1, min(want, k_blocks, _MAX_SPLIT_K))
+    per_split = triton.cdiv(k_blocks, want)
+    return triton.cdiv(k_blocks, per_split)
 
 
 def workspace_size(M: int, N: int, split_k: int, gated: bool = False) -> int:
@@ -467,11 +535,10 @@ def small_m_linear(
     if M == 0 or N == 0:
         return out
 
-    if config is not None:
-        block_n, block_k, auto_split, num_warps, num_stages = config
-    else:
-        block_n, block_k, auto_split, num_warps = choose_config(M, N, K, device, gated=gated)
-        num_stages = None
+    if config is None:
+        config = choose_config(M, N, K, device, gated=gated, norm=norm_eps is not None,
+                               itemsize=x.element_size())
+    block_n, block_k, auto_split, num_warps, num_stages = config
     split = auto_split if split_k is None else split_k
     k_blocks = max(triton.cdiv(K, block_k), 1)
     split = min(split, k_blocks)
@@ -481,18 +548,12 @@ def small_m_linear(
 
     block_m = _block_m(M)
     grid_m = triton.cdiv(M, block_m)
-    if num_stages is None:
-        if block_m == 1:
-            num_stages = _M1_STAGES
-        elif block_m >= 16:
-            num_stages = _M16_STAGES
-        else:
-            num_stages = 3 if K >= 4096 else 2
     pdl = pdl_kwargs(x)
     dummy = out  # stands in for absent optional pointers (never read)
     common = dict(
         NORM=norm_eps is not None, HAS_G=norm_weight is not None, NORM_PREPASS=norm_eps is not None and split > 1,
         GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=_use_f32_dot(x.dtype),
+        SWAP_AB=block_m >= 16 and block_n >= 64,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     g = norm_weight if norm_weight is not None else dummy
