@@ -147,6 +147,17 @@ def test_fused_configs_swap_the_operands_at_16_rows():
     assert choose_config(4, 3072, 2048, "cpu", norm=True)[0] == 16
 
 
+def test_config_overrides_replace_the_heuristic_for_their_shape(monkeypatch):
+    from tgraph.kernels.triton import gemv
+
+    key = (16, 70, 200, False, True)  # (M bucket, N, K, gated, norm)
+    monkeypatch.setitem(gemv.CONFIG_OVERRIDES, key, (16, 64, 2, 4, 2))
+    assert choose_config(9, 70, 200, "cpu", norm=True) == (16, 64, 2, 4, 2)
+    assert choose_config(9, 70, 200, "cpu") != (16, 64, 2, 4, 2)  # another key: the heuristic
+    # The overridden launch (16-column blocks, 2 splits with the norm pre-pass) is still exact.
+    _run(9, 70, 200, torch.float32, gated=False, norm=True, bias=True)
+
+
 # --------------------------------------------------------------------------- GPU, real shapes
 
 @pytest.mark.gpu

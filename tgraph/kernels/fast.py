@@ -191,14 +191,6 @@ def _linear_epilogue(outs: Outs, x, w, bias=None, residual=None, *, transpose_b=
     return outs[0]
 
 
-def _normed(x2: torch.Tensor, norm_weight, eps: float) -> torch.Tensor:
-    """``rms_norm(x2) * norm_weight`` into a new buffer (the unfused half of ``norm_linear``)."""
-    normed = torch.empty_like(x2) if norm_weight is None else torch.empty(
-        x2.shape, dtype=torch.promote_types(x2.dtype, norm_weight.dtype), device=x2.device)
-    _rms_norm([normed], x2, norm_weight, eps=eps)
-    return normed
-
-
 @_register("norm_linear")
 def _norm_linear(outs: Outs, x, norm_weight, w, bias=None, *, eps, act=None):
     out2 = outs[0].view(-1, outs[0].shape[-1])
@@ -213,7 +205,9 @@ def _norm_linear(outs: Outs, x, norm_weight, w, bias=None, *, eps, act=None):
                            gated=act == "swiglu")
             return outs[0]
     # Larger M: the norm into a scratch buffer, then the GEMM (and the gate) as unfused.
-    normed = _normed(x2, norm_weight, eps)
+    normed = torch.empty_like(x2) if norm_weight is None else torch.empty(
+        x2.shape, dtype=torch.promote_types(x2.dtype, norm_weight.dtype), device=x2.device)
+    _rms_norm([normed], x2, norm_weight, eps=eps)
     if act is None:
         _matmul_into(out2, normed, w, bias, None, True)
         return outs[0]
