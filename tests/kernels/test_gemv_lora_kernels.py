@@ -155,6 +155,10 @@ def test_small_m_linear_rejects_bad_input():
         small_m_linear(xl, wl, out, workspace=torch.empty(64, device=DEV, dtype=torch.half), split_k=2)
     with pytest.raises(ValueError, match="split_k must be a positive int"):
         small_m_linear(x, w, out, split_k=0)
+    with pytest.raises(ValueError, match="config must be a tuple of 5 positive ints"):
+        small_m_linear(x, w, out, config=(16, 256, 1, 4))  # the stages are missing
+    with pytest.raises(ValueError, match="config must be a tuple of 5 positive ints"):
+        small_m_linear(x, w, out, config=(16, 0, 1, 4, 2))
     sq = torch.randn(16, 16, device=DEV)
     with pytest.raises(ValueError, match="must not alias x"):
         small_m_linear(sq, torch.randn(16, 16, device=DEV), sq)

@@ -491,7 +491,8 @@ def small_m_linear(
             the allocation out of the captured region).
         split_k: force the number of K splits (>= 1); default from :func:`choose_config`.
         config: ``(BLOCK_N, BLOCK_K, split_k, num_warps, num_stages)`` instead of the heuristic
-            (for tuning; see ``tgraph.bench.tune_gemv``).
+            (for tuning; see ``tgraph.bench.tune_gemv``). ``BLOCK_N >= 64`` at 5 or more rows
+            swaps the MMA operands.
         norm_eps: RMSNorm epsilon; fuses the norm of ``x`` when given.
         norm_weight: optional ``[K]`` RMSNorm weight in ``x``'s dtype (needs ``norm_eps``).
         gated: SwiGLU on a packed gate|up weight.
@@ -535,9 +536,13 @@ def small_m_linear(
     if M == 0 or N == 0:
         return out
 
-    if config is None:
+    if config is None:  # the heuristic, or a CONFIG_OVERRIDES entry (checked the same way)
         config = choose_config(M, N, K, device, gated=gated, norm=norm_eps is not None,
                                itemsize=x.element_size())
+    if not isinstance(config, tuple) or len(config) != 5 or not all(
+            isinstance(v, int) and v >= 1 for v in config):
+        raise ValueError("small_m_linear: config must be a tuple of 5 positive ints (BLOCK_N, "
+                         f"BLOCK_K, split_k, num_warps, num_stages), got {config!r}")
     block_n, block_k, auto_split, num_warps, num_stages = config
     split = auto_split if split_k is None else split_k
     k_blocks = max(triton.cdiv(K, block_k), 1)
