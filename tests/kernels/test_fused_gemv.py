@@ -129,9 +129,10 @@ def test_fusion_arguments_are_checked():
 
 
 def test_gated_config_halves_the_m1_block():
-    plain = choose_config(1, 8192, 2048, "cpu")
+    # Same K tile, warps and stages as the norm-fused linear, half its output rows per program.
+    norm = choose_config(1, 8192, 2048, "cpu", norm=True)
     gated = choose_config(1, 8192, 2048, "cpu", gated=True)
-    assert gated[0] * 2 == plain[0] and gated[1:] == plain[1:]
+    assert gated[0] * 2 == norm[0] and gated[1:] == norm[1:]
 
 
 def test_fused_configs_swap_the_operands_at_16_rows():

@@ -174,8 +174,8 @@ def test_choose_config_splits_evenly_and_fills_the_gpu_above_m1():
             assert (split_k - 1) * per_split < k_blocks <= split_k * per_split
             assert block_k % 16 == 0 and block_n & (block_n - 1) == 0 and num_warps in (1, 2, 4, 8)
             if M == 1:
-                # Measured on an H200 with cold weights: 1024-wide K tiles, no split-K (see choose_config).
-                assert split_k == 1 and block_k == min(1024, K)
+                # No split-K at M=1; K tiles of 2048 from K >= 2048 (see _m1_config).
+                assert split_k == 1 and block_k == min(2048, K)
                 continue
             n_programs = -(-N // block_n) * split_k
             # Either the column blocks alone fill the 132 SMs (half of them for 16-row tensor-core
@@ -184,6 +184,31 @@ def test_choose_config_splits_evenly_and_fills_the_gpu_above_m1():
             assert n_programs >= wave or split_k == k_blocks, (M, N, K, n_programs)
     assert choose_config(2, 2048, 8192, "cpu")[2] > 1
     assert choose_config(1, 128256, 2048, "cpu")[2] == 1
+
+
+def test_m1_config_rule():
+    # Unfused: 2048-wide K tiles from K = 2048, 8 warps from K = 4096 (32 weight elements per
+    # thread either way), output rows per program halved when fewer than 2 programs per SM.
+    assert choose_config(1, 2048, 2048, "cpu") == (4, 2048, 1, 4, 3)
+    assert choose_config(1, 2048, 8192, "cpu") == (4, 2048, 1, 8, 3)
+    assert choose_config(1, 896, 4864, "cpu") == (2, 2048, 1, 8, 3)
+    assert choose_config(1, 896, 896, "cpu") == (2, 1024, 1, 4, 3)
+    assert choose_config(1, 100, 40, "cpu") == (2, 64, 1, 4, 3)
+    # The norm and gate fusions keep 1024-wide tiles and 4 warps (gated: 2 outputs per program).
+    assert choose_config(1, 3072, 2048, "cpu", norm=True) == (4, 1024, 1, 4, 3)
+    assert choose_config(1, 8192, 2048, "cpu", gated=True, norm=True) == (2, 1024, 1, 4, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_m1_wide_k_tile_matches_reference(dtype):
+    # The heuristic's wide-K configuration (2048-wide tiles, 2 outputs per program, 8 warps): one
+    # full tile and a ragged one, N not a multiple of BLOCK_N.
+    N, K = 37, 2048 + 300
+    x, w, b, r = _linear_inputs(1, N, K, dtype)
+    assert choose_config(1, N, K, "cpu")[:2] == (2, 2048)
+    out = _nan((1, N), dtype)
+    small_m_linear(x, w, out, residual=r)
+    _close(out, _linear_ref(x, w, None, r), dtype)
 
 
 def test_prefer_small_m():

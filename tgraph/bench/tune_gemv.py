@@ -1,6 +1,8 @@
 """Sweep launch configurations of the small-M linear at real model shapes (run on a GPU).
 
-``python -m tgraph.bench.tune_gemv [OUT.json] [--m 1,16] [--shapes N:K,...] [--fusion F]``
+``python -m tgraph.bench.tune_gemv [OUT.json] [--m 1,16] [--shapes N:K,...] [--fusion F]
+[--widths ...] [--block-k ...] [--warps ...] [--stages ...] [--splits ...] [--swap-min N]``
+(each list replaces that axis of the default search space).
 
 The weights are read cold, as in a decode step (:func:`tgraph.bench.timing.cold_copies`): each
 candidate is timed over a chain of launches inside one CUDA graph, each launch reading its own
@@ -20,6 +22,7 @@ import json
 import torch
 
 from tgraph.bench.timing import cold_copies, cold_ms, measure_ceilings
+from tgraph.kernels.triton import gemv
 from tgraph.kernels.triton.gemv import choose_config, small_m_linear
 
 SHAPES = [  # (N, K): llama-3.2-1b, qwen2.5-0.5b, llama-3-8b linears
@@ -29,11 +32,16 @@ SHAPES = [  # (N, K): llama-3.2-1b, qwen2.5-0.5b, llama-3-8b linears
 ]
 
 
-def _space(m: int, widths: tuple[int, ...] | None = None):
+def _space(m: int, widths=None, block_ks=None, warps=None, stages=None, splits=None):
+    """Candidate (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k); None takes the default axis."""
     if m == 1:
-        return itertools.product(widths or (4, 8, 16), (512, 1024), (4, 8), (2, 3, 4), (1, 2))
-    # Output blocks of 64 or more swap the MMA operands (see tgraph.kernels.triton.gemv).
-    return itertools.product(widths or (16, 32, 64, 128), (128, 256), (4,), (3, 4), (1, 2, 4))
+        axes = ((4, 8, 16), (512, 1024), (4, 8), (2, 3, 4), (1, 2))
+    else:
+        # Output blocks of _SWAP_MIN_BLOCK_N or more swap the MMA operands (see
+        # tgraph.kernels.triton.gemv).
+        axes = ((16, 32, 64, 128), (128, 256), (4,), (3, 4), (1, 2, 4))
+    given = (widths, block_ks, warps, stages, splits)
+    return itertools.product(*(g or default for g, default in zip(given, axes)))
 
 
 FUSIONS = ("plain", "residual", "norm", "gated", "norm+gated")
@@ -59,8 +67,18 @@ def main() -> None:
     parser.add_argument("--fusion", choices=FUSIONS, default="plain",
                         help="time this decode fusion (N counts output columns)")
     parser.add_argument("--widths", help="BLOCK_N values to sweep, comma separated")
+    parser.add_argument("--block-k", help="BLOCK_K values to sweep, comma separated")
+    parser.add_argument("--warps", help="num_warps values to sweep, comma separated")
+    parser.add_argument("--stages", help="num_stages values to sweep, comma separated")
+    parser.add_argument("--splits", help="split_k values to sweep, comma separated")
+    parser.add_argument("--swap-min", type=int,
+                        help="narrowest 16-row output block that swaps the MMA operands "
+                             f"(default {gemv._SWAP_MIN_BLOCK_N})")
     args = parser.parse_args()
-    widths = tuple(int(v) for v in args.widths.split(",")) if args.widths else None
+    axes = [tuple(int(v) for v in given.split(",")) if given else None
+            for given in (args.widths, args.block_k, args.warps, args.stages, args.splits)]
+    if args.swap_min is not None:
+        gemv._SWAP_MIN_BLOCK_N = args.swap_min
     shapes = ([tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
               if args.shapes else SHAPES)
     ceil = measure_ceilings()
@@ -80,8 +98,9 @@ def main() -> None:
             cur = cold_ms(lambda w: small_m_linear(x, w, out, **kw), weights)
             cublas = cold_ms(lambda w: torch.mm(x, w.t(), out=wide), weights)
             best = (cur, None)
+            timed = []
             failed = []
-            for bn, bk, warps, stages, split in _space(m, widths):
+            for bn, bk, warps, stages, split in _space(m, *axes):
                 if split > 1 and bk * split > 2 * k:
                     continue
                 ws = torch.empty(max(split * m * rows, 1), device="cuda", dtype=torch.float32)
@@ -93,12 +112,14 @@ def main() -> None:
                     torch.cuda.synchronize()
                     failed.append(f"{cfg}: {type(exc).__name__}: {str(exc)[:120]}")
                     continue
+                timed.append((cfg, t))
                 if t < best[0]:
                     best = (t, cfg)
             row = dict(M=m, N=n, K=k, fusion=args.fusion, current=cur,
                        current_cfg=choose_config(m, n, k, "cuda", gated=gated,
                                                  norm="norm" in args.fusion),
-                       best=best[0], best_cfg=best[1], cublas=cublas, chain=len(weights))
+                       best=best[0], best_cfg=best[1], cublas=cublas, chain=len(weights),
+                       candidates=timed)
             results.append(row)
             print(f"{args.fusion:<10} M={m:<3} N={n:<7} K={k:<6} current {cur * 1e3:7.2f}us {frac(cur):5.1%}  "
                   f"best {best[0] * 1e3:7.2f}us {frac(best[0]):5.1%} {best[1]}  "

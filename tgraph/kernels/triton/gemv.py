@@ -70,6 +70,13 @@ _SMALL_M_MAX = int(os.environ.get("TGRAPH_SMALL_M_MAX", "16"))
 _M1_BLOCK_N = 4            # output rows per program
 _M1_GATED_BLOCK_N = 2      # a gated gate|up program reads two weight rows per output column
 _M1_STAGES = 3
+# An unfused M=1 linear (no norm, no gate) with K >= _M1_WIDE_K takes 2048-wide K tiles, with 8
+# warps from K >= _M1_WIDE_K_8_WARPS (the same 32 weight elements per thread and tile), and halves
+# its output rows per program when the grid would have fewer than _M1_MIN_PROGRAMS_PER_SM programs
+# per SM. Values from a cold-weight sweep on an H100 (docs/bench/h100-gemv-tune-m1.txt).
+_M1_WIDE_K = 2048
+_M1_WIDE_K_8_WARPS = 4096
+_M1_MIN_PROGRAMS_PER_SM = 2
 _M16_BLOCK_K = 256
 _M16_STAGES = 4
 # K from which a 16-row linear without fusions takes the swapped long-K configuration.
@@ -78,6 +85,9 @@ _M16_LONG_K = 8192
 # MMA operands, SWAP_AB) and K tile.
 _M16_FUSED_BLOCK_N = 64
 _M16_FUSED_BLOCK_K = 256
+# Narrowest output block of a 16-row program that swaps the MMA operands (SWAP_AB); narrower
+# blocks keep the activations as the MMA's M side.
+_SWAP_MIN_BLOCK_N = 64
 # Launch configurations by shape that replace the heuristic's: (BLOCK_M bucket, N, K, gated, norm)
 # -> (BLOCK_N, BLOCK_K, split_k, num_warps, num_stages), each measured in whole decode steps
 # (tgraph.bench.ab can set this table, e.g.
@@ -364,13 +374,7 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
         return override
     k_pow2 = triton.next_power_of_2(max(K, 16))
     if block_m == 1:
-        # Cold-weight sweep on an H200 (tgraph.bench.tune_gemv, 2026-11-22,
-        # docs/bench/h200-gemv-tune-cold.json): 1024-wide K tiles, no split-K and 4 output rows
-        # per program (more programs, more weight bytes in flight) were best or within 3% at
-        # every Llama-3.2-1B / Qwen2.5-0.5B shape.
-        block_n = _M1_GATED_BLOCK_N if gated else _M1_BLOCK_N
-        block_k = min(1024, k_pow2)
-        return block_n, max(block_k, 16), 1, 4, _M1_STAGES
+        return _m1_config(N, K, gated, norm, sm_count(device))
     if block_m < 16:
         # The [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it at 8K elements.
         block_n, block_k = 16, max(min(512 // block_m, k_pow2), 16)
@@ -417,6 +421,29 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
     if n_blocks < split_below:
         split_k = _even_split(k_blocks, triton.cdiv(target, n_blocks))
     return block_n, block_k, split_k, 4, stages
+
+
+def _m1_config(N: int, K: int, gated: bool, norm: bool, sms: int) -> tuple[int, int, int, int, int]:
+    """The M=1 configuration: elementwise FMA over ``[BLOCK_N, BLOCK_K]`` tiles, no split-K.
+
+    Cold-weight sweeps (tgraph.bench.tune_gemv): 1024-wide K tiles, no split and 4 output rows per
+    program (2 when gated: two weight rows per output) were best or within 3% for every
+    Llama-3.2-1B / Qwen2.5-0.5B shape on an H200 (docs/bench/h200-gemv-tune-cold.json), and
+    still are for the norm and gate fusions on an H100. Without fusions, longer K tiles shorten
+    each program's chain of dependent loads (docs/bench/h100-gemv-tune-m1.txt): Llama-3.2-1B
+    down 13.9 -> 12.3 us, o 4.3 -> 3.9 us, Qwen2.5-0.5B down 5.5 -> 4.5 us.
+    """
+    k_pow2 = triton.next_power_of_2(max(K, 16))
+    if gated or norm:
+        block_n = _M1_GATED_BLOCK_N if gated else _M1_BLOCK_N
+        return block_n, max(min(1024, k_pow2), 16), 1, 4, _M1_STAGES
+    block_n = _M1_BLOCK_N
+    if triton.cdiv(N, block_n) < _M1_MIN_PROGRAMS_PER_SM * sms:
+        block_n = max(block_n // 2, 1)
+    wide = K >= _M1_WIDE_K
+    block_k = max(min(2048 if wide else 1024, k_pow2), 16)
+    warps = 8 if wide and K >= _M1_WIDE_K_8_WARPS else 4
+    return block_n, block_k, 1, warps, _M1_STAGES
 
 
 def _even_split(k_blocks: int, want: int) -> int:
@@ -558,7 +585,7 @@ def small_m_linear(
     common = dict(
         NORM=norm_eps is not None, HAS_G=norm_weight is not None, NORM_PREPASS=norm_eps is not None and split > 1,
         GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=_use_f32_dot(x.dtype),
-        SWAP_AB=block_m >= 16 and block_n >= 64,
+        SWAP_AB=block_m >= 16 and block_n >= _SWAP_MIN_BLOCK_N,
         num_warps=num_warps, num_stages=num_stages, **pdl,
     )
     g = norm_weight if norm_weight is not None else dummy
