@@ -89,7 +89,8 @@ def _decode_batch(b: int, ctx: int, block_size: int) -> BatchMeta:
                      query_lens=[1] * b, kv_lens=[ctx] * b, block_tables=tables, is_prefill=False)
 
 
-def _prefill_batch(n: int, length: int, block_size: int) -> BatchMeta:
+def prefill_batch(n: int, length: int, block_size: int) -> BatchMeta:
+    """``n`` prompts of ``length`` tokens each, in consecutive cache blocks from block 0."""
     per = -(-length // block_size)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
     ids, pos, slots = [], [], []
@@ -118,7 +119,7 @@ def bench_tgraph(model, batches: list[int], result: PresetResult, label: str) ->
             result.host_overhead_ms[b] = host_ms(lambda: model.run(meta))
     if graphs:
         for n, length in ((1, 2048), (8, 512)):
-            meta = _prefill_batch(n, length, c.block_size)
+            meta = prefill_batch(n, length, c.block_size)
             result.prefill_ms[f"{n}x{length}"] = time_ms(lambda: model.run(meta), warmup=2,
                                                          iters=10)
 

@@ -2,6 +2,8 @@
 
 Prints the device time of the captured step alone (graph replays), the time of the whole
 ``model.run`` (input preparation included), and the CUDA kernels by total time (torch profiler).
+``--prefill NxL`` profiles a prefill of N prompts of L tokens instead: its time, the host time
+of the call, and the CPU and CUDA profiles.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import argparse
 
 import torch
 
-from tgraph.bench.models import captured_decode, random_model, random_weights
+from tgraph.bench.models import captured_decode, prefill_batch, random_model, random_weights
 from tgraph.bench.timeline import print_timeline, profile_step
 from tgraph.bench.timing import host_ms, time_ms
 from tgraph.models.presets import preset
@@ -22,10 +24,15 @@ def main() -> None:
     parser.add_argument("--trace", help="write a Chrome trace")
     parser.add_argument("--timeline", action="store_true",
                         help="also print the replayed step kernel by kernel (tgraph.bench.timeline)")
+    parser.add_argument("--prefill", metavar="NxL",
+                        help="profile a prefill of N prompts of L tokens instead of a decode step")
     args = parser.parse_args()
     hf_config = preset(args.preset)
     model = random_model(hf_config, random_weights(hf_config, torch.bfloat16, "cuda"),
                          max_model_len=4096)
+    if args.prefill:
+        profile_prefill(model, args.preset, args.prefill, args.trace)
+        return
     b = args.batch
     meta = captured_decode(model, b)
     model.run(meta)
@@ -51,6 +58,29 @@ def main() -> None:
         prof.export_chrome_trace(args.trace)
     if args.timeline:
         print_timeline(profile_step(replay), limit=None)
+
+
+def profile_prefill(model, name: str, shape: str, trace: str | None) -> None:
+    """Time and profile one prefill of ``shape`` ("NxL") on a built model."""
+    try:
+        n, length = (int(v) for v in shape.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--prefill expects NxL (e.g. 1x2048), got {shape!r}") from None
+    block_size = model.llm_config.block_size
+    model.allocate_kv_cache(n * -(-length // block_size) + 1)
+    meta = prefill_batch(n, length, block_size)
+    print(f"{name} prefill {n}x{length}: {time_ms(lambda: model.run(meta), warmup=2, iters=10):.2f} ms "
+          f"per call, host time {host_ms(lambda: model.run(meta), iters=5):.2f} ms")
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(5):
+            model.run(meta)
+        torch.cuda.synchronize()
+    table = prof.key_averages()
+    print(table.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
+    print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+    if trace:
+        prof.export_chrome_trace(trace)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,23 @@
+"""The decode / prefill profiler's argument handling and its prefill batch (no GPU needed)."""
+from __future__ import annotations
+
+import pytest
+
+from tgraph.bench.models import prefill_batch
+from tgraph.bench.profile import profile_prefill
+
+
+@pytest.mark.parametrize("shape", ["2048", "1x", "ax2048", "1x2x3"])
+def test_prefill_shape_must_be_n_x_l(shape):
+    # Refused before the model is touched.
+    with pytest.raises(SystemExit, match="--prefill expects NxL"):
+        profile_prefill(None, "llama-3.2-1b", shape, None)
+
+
+def test_prefill_batch_puts_each_prompt_in_its_own_blocks():
+    meta = prefill_batch(2, 5, block_size=4)
+    assert meta.is_prefill and meta.query_lens == [5, 5] and meta.kv_lens == [5, 5]
+    assert meta.block_tables == [[0, 1], [2, 3]]
+    assert meta.positions == [0, 1, 2, 3, 4] * 2
+    # Token p of prompt i sits at slot block_tables[i][p // 4] * 4 + p % 4.
+    assert meta.slots == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]
