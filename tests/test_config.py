@@ -47,6 +47,7 @@ def test_default_values():
     s = load_settings()
     assert s.llm.engine.graph == "static" and s.llm.engine.cuda_graph is True
     assert s.llm.engine.batch_buckets == (1, 2, 4, 8, 16, 32, 64)
+    assert s.llm.engine.prefill_graph_tokens == 4096
     assert s.llm.engine.disabled_passes == () and s.llm.engine.rules is None
     assert s.llm.cache.block_size == 16 and s.llm.cache.num_blocks is None
     assert s.llm.cache.gpu_memory_utilization == 0.9
@@ -109,6 +110,7 @@ def test_object_leaf_is_replaced_not_merged():
     ("llm.cache.gpu_memory_utilization=1.5", r"= 1.5.*number in \(0, 1\]"),
     ("llm.engine.batch_buckets=[4, 2]", r"strictly increasing"),
     ("llm.engine.batch_buckets=[]", r"non-empty"),
+    ("llm.engine.prefill_graph_tokens=-1", r"'llm.engine.prefill_graph_tokens' = -1.*integer >= 0"),
     ('llm.engine.disabled_passes="cse"', r"a list of strings"),
     ("llm.model.dtype=fp8", r"'llm.model.dtype' = \"fp8\".*\"bfloat16\""),
     ("llm.model.device=tpu", r"'llm.model.device' = \"tpu\".*cuda:<index>"),

@@ -148,6 +148,9 @@ SCHEMA: dict[str, Any] = {
                 _bool(), "tensor parallel on NCCL: put all-reduce/all-gather inside the CUDA "
                 "graphs (one graph per decode step); false runs them between graphs"),
             "batch_buckets": Field(_increasing_ints(), "decode batch sizes given a CUDA graph"),
+            "prefill_graph_tokens": Field(
+                _int(0), "prefill steps of up to this many tokens run from CUDA graphs captured "
+                "at token buckets (0: prefill runs uncaptured)"),
             "disabled_passes": Field(_strings(), "names of graph passes to skip"),
             "rules": Field(_rules(), "extra fusion rules (path or inline), or null"),
         },

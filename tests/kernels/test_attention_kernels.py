@@ -280,6 +280,37 @@ def test_prefill_single_sequence_and_empty_chunks():
     assert_close(run_prefill(case), reference_prefill(case, 0.25, None))
 
 
+@pytest.mark.parametrize("new_keys", [False, True], ids=["cache", "new-keys"])
+def test_prefill_padded_to_a_captured_signature(new_keys):
+    # What a captured prefill graph runs (tgraph.models.base.batch.pad_prefill_arrays): pad
+    # token rows after the real ones that belong to no sequence, and empty pad sequences
+    # (query_start_loc stays at the real token count, kv_len 0). Real rows must equal the
+    # unpadded reference and no program may write a pad row (they stay NaN).
+    case = make_case([5, 9], [5, 12], 4, 2, 16, 16, torch.float32)
+    ref = reference_prefill(case, 0.25, None)
+    pad_tokens, pad_seqs = 7, 2
+    q = torch.cat([case.q, torch.full((pad_tokens,) + case.q.shape[1:], float("nan"),
+                                      dtype=case.q.dtype, device=case.q.device)])
+    nan_page = case.k_cache.shape[0] - 1
+    table = torch.cat([case.block_table, torch.full((pad_seqs, case.block_table.shape[1]),
+                                                    nan_page, dtype=torch.int32,
+                                                    device=case.q.device)])
+    kv_lens = torch.cat([case.kv_lens, case.kv_lens.new_zeros(pad_seqs)])
+    qsl = torch.cat([case.query_start_loc, case.query_start_loc[-1:].repeat(pad_seqs)])
+    new_kv = None
+    if new_keys:
+        k_new, v_new = new_kv_rows(case)
+        pad = torch.full((pad_tokens,) + k_new.shape[1:], float("nan"), dtype=k_new.dtype,
+                         device=k_new.device)
+        new_kv = (torch.cat([k_new, pad]), torch.cat([v_new, pad]))
+    out = torch.full_like(q, float("nan"))
+    paged_attention_prefill(q, case.k_cache, case.v_cache, table, kv_lens, qsl, 0.25, None, out,
+                            new_kv=new_kv)
+    real = case.q.shape[0]
+    assert_close(out[:real], ref)
+    assert torch.isnan(out[real:]).all()
+
+
 def new_kv_rows(case: PagedCase, strided: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's new keys/values in query order (``[T, Hk, D]``), as the model passes them.
 

@@ -82,6 +82,7 @@ class _Capture:
     held: frozenset[str]
     all_held: bool
     prologue: Any = None  # the prologue's own graph, when the first segment is a host one
+    shared_arena: Any = None  # the engine's shared arena its buffers live in (share_arena)
 
     def same_objects(self, inputs: Mapping[str, torch.Tensor]) -> bool:
         """Whether ``inputs`` are exactly the captured tensor objects (same names, same objects)."""
@@ -159,6 +160,8 @@ class Engine:
         self._checked_devices: set[torch.device] = set()
         self._arena: torch.Tensor | None = None
         self._captures: dict[tuple, _Capture] = {}
+        # One arena per device for the captures made with share_arena (see capture).
+        self._shared_arenas: dict[torch.device, torch.Tensor] = {}
         self._graph_pool: Any = None
         self._output_clone = {name: alias_base(net, v).kind is not ValueKind.INTERMEDIATE
                               for name, v in net.outputs.items()}
@@ -441,7 +444,8 @@ class Engine:
     def capture(self, inputs: Mapping[str, torch.Tensor],
                 runtime_params: Mapping[str, Any] | None = None, *,
                 by_reference: Iterable[str] = (),
-                prologue: Callable[[], None] | None = None) -> "CaptureHandle":
+                prologue: Callable[[], None] | None = None,
+                share_arena: bool = False) -> "CaptureHandle":
         """Capture CUDA graphs for the signature (shapes) of ``inputs``.
 
         Each capturable segment becomes one graph (host segments run eagerly between replays).
@@ -461,6 +465,13 @@ class Engine:
                 the copy of staged host inputs (pinned memory) into the tensors held by
                 reference, so that a step costs one graph launch and no copy call. It runs once
                 before the warm-up too.
+            share_arena: put the intermediate buffers in one arena shared by every capture made
+                with this flag (on a single-device network), sized for the largest of them,
+                instead of an arena of its own: for many signatures of which one runs at a time
+                (prefill token buckets), at the memory of one. Every replay recomputes its
+                buffers and outputs are returned as copies, so the captures do not disturb one
+                another. A capture that needs more than the shared arena holds replaces it with
+                a larger one and releases the captures using the old one (see :meth:`replay`).
 
         Returns:
             a handle for :meth:`replay` (``forward`` finds the capture by itself).
@@ -479,7 +490,9 @@ class Engine:
         key, shared = self._bind(tensors, env, plan)
         binding = _Binding(shared.shapes, shared.memory, shared.attrs,
                            device_memory=shared.device_memory)
-        arena = self._capture_arena(binding, device)
+        share_arena = share_arena and binding.device_memory is None
+        arena = (self._shared_arena(binding.memory.arena_bytes, device) if share_arena
+                 else self._capture_arena(binding, device))
         self._buffers(plan, binding, device, arena=arena)
         held = frozenset(self._mutated_inputs | set(by_reference))
         unknown = sorted(set(by_reference) - set(tensors))
@@ -528,7 +541,8 @@ class Engine:
             graphs.append(graph)
         all_held = not runtime_params and held >= set(tensors)
         capture = self._captures[key] = _Capture(static, binding, slots, graphs, plan, held,
-                                                 all_held, prologue_graph)
+                                                 all_held, prologue_graph,
+                                                 arena if share_arena else None)
         return CaptureHandle(key, capture)
 
     def _capture_prologue(self, prologue: Callable[[], None]) -> Any:
@@ -562,6 +576,23 @@ class Engine:
             raise CaptureError("replay() needs every input held by reference; use forward()")
         self._replay(capture)
         return self._collect(capture.plan, capture.slots, None)
+
+    def is_captured(self, handle: "CaptureHandle") -> bool:
+        """Whether ``handle``'s capture is still live (not released or replaced since)."""
+        return self._captures.get(handle.key) is handle.capture
+
+    def _shared_arena(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """The shared arena of ``device``, at least ``nbytes`` long; growing it releases the
+        captures whose buffers lived in the old one."""
+        arena = self._shared_arenas.get(device)
+        if arena is None or arena.numel() < nbytes:
+            for key in [k for k, c in self._captures.items()
+                        if arena is not None and c.shared_arena is arena]:
+                del self._captures[key]
+            self._shared_arenas.pop(device, None)  # freed before the larger one is allocated
+            arena = self._shared_arenas[device] = torch.empty(
+                max(nbytes, 1), dtype=torch.uint8, device=device)
+        return arena
 
     def _capture_arena(self, binding: _Binding, device: torch.device
                        ) -> torch.Tensor | dict[str, torch.Tensor]:
@@ -602,6 +633,7 @@ class Engine:
         until ``capture`` is called again. Needed before the memory or the process group the
         graphs use goes away (a KV cache reallocated, NCCL communicators destroyed)."""
         self._captures.clear()
+        self._shared_arenas.clear()
         # A pool whose graphs are all gone cannot take new captures (PyTorch asserts on its
         # use count): later captures get a fresh one.
         self._graph_pool = None

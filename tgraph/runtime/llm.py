@@ -39,6 +39,7 @@ logger = logging.getLogger("tgraph.runtime")
 _SHORT_KEYS = {
     "graph": "llm.engine.graph", "cuda_graph": "llm.engine.cuda_graph",
     "batch_buckets": "llm.engine.batch_buckets", "disabled_passes": "llm.engine.disabled_passes",
+    "prefill_graph_tokens": "llm.engine.prefill_graph_tokens",
     "block_size": "llm.cache.block_size", "num_blocks": "llm.cache.num_blocks",
     "gpu_memory_utilization": "llm.cache.gpu_memory_utilization",
     "max_num_seqs": "llm.scheduler.max_num_seqs",
@@ -147,6 +148,7 @@ class LLM:
             model_dir, dtype=llm.model.dtype, device=device, max_model_len=max_model_len,
             module_map=module_map, graph=llm.engine.graph, cuda_graph=llm.engine.cuda_graph,
             block_size=llm.cache.block_size, batch_buckets=tuple(llm.engine.batch_buckets),
+            prefill_graph_tokens=llm.engine.prefill_graph_tokens,
             disabled_passes=tuple(llm.engine.disabled_passes), rank=rank, world_size=world_size,
             rules=rules)  # applied before any graph is recorded; placed weights load in place
         if world_size > 1:

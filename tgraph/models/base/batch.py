@@ -84,6 +84,57 @@ def pad_decode(meta: BatchMeta, batch: int) -> BatchMeta:
         extra=dict(meta.extra))
 
 
+def prefill_token_bucket(num_tokens: int, limit: int) -> int | None:
+    """The token count a prefill of ``num_tokens`` is padded to for its CUDA graph, or None
+    above ``limit``: multiples of 128 up to 1024, then of 256 (at most ~25% padding past 512
+    tokens, and a bounded number of captured signatures)."""
+    if num_tokens < 1 or num_tokens > limit:
+        return None
+    step = 128 if num_tokens <= 1024 else 256
+    return min(-(-num_tokens // step) * step, max(limit, num_tokens))
+
+
+def pad_prefill_arrays(arrays: dict[str, np.ndarray], tokens: int,
+                       seqs: int) -> dict[str, np.ndarray]:
+    """A prefill's int32 engine inputs padded to ``tokens`` tokens and ``seqs`` sequences.
+
+    Pad tokens (id 0 at position 0) write no cache slot (-1) and belong to no sequence: the
+    pad sequences are empty (``query_start_loc`` stays at the real token count, no context), so
+    no real row attends to a pad row. The logits rows are padded to ``seqs`` with row 0; the
+    caller keeps the first ``L``.
+
+    Args:
+        arrays: ``input_ids``, ``position_ids``, ``slots_mapping`` ``[T]``; ``seq_len`` ``[S]``;
+            ``lm_head_indices`` ``[L]``; ``query_start_loc`` ``[S + 1]``; ``block_table``
+            ``[S, W]``.
+        tokens, seqs: the padded T and S (and L), at least the real ones.
+    Returns:
+        New arrays with the same names.
+    Raises:
+        ValueError: if the batch has more tokens, sequences or logits rows than asked for.
+    """
+    num_tokens, num_seqs = len(arrays["input_ids"]), len(arrays["seq_len"])
+    num_logits = len(arrays["lm_head_indices"])
+    if num_tokens > tokens or max(num_seqs, num_logits) > seqs:
+        raise ValueError(f"cannot pad a prefill of {num_tokens} tokens, {num_seqs} sequences and "
+                         f"{num_logits} logits rows to {tokens} tokens and {seqs} sequences")
+
+    def grow(a: np.ndarray, n: int, fill: int) -> np.ndarray:
+        out = np.full((n,) + a.shape[1:], fill, dtype=np.int32)
+        out[:len(a)] = a
+        return out
+
+    return {
+        "input_ids": grow(arrays["input_ids"], tokens, 0),
+        "position_ids": grow(arrays["position_ids"], tokens, 0),
+        "slots_mapping": grow(arrays["slots_mapping"], tokens, -1),
+        "seq_len": grow(arrays["seq_len"], seqs, 0),
+        "lm_head_indices": grow(arrays["lm_head_indices"], seqs, 0),
+        "query_start_loc": grow(arrays["query_start_loc"], seqs + 1, num_tokens),
+        "block_table": grow(arrays["block_table"], seqs, 0),
+    }
+
+
 def block_table_array(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
     """Rows padded with zeros to ``width`` (padding entries are never read: kv_lens bound them)."""
     out = np.zeros((len(tables), width), dtype=np.int32)

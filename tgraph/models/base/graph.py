@@ -17,7 +17,13 @@ import torch
 from tgraph.engine import CaptureHandle, Engine
 from tgraph.errors import ConfigError
 from tgraph.ir.ops.transfer import placement_device
-from tgraph.models.base.batch import BatchMeta, block_table_array, pad_decode
+from tgraph.models.base.batch import (
+    BatchMeta,
+    block_table_array,
+    pad_decode,
+    pad_prefill_arrays,
+    prefill_token_bucket,
+)
 from tgraph.models.base.causal_lm import FlashCausalLM
 from tgraph.models.base.features import FeatureDecorator, check_stackable
 from tgraph.nn import functional as F
@@ -124,9 +130,10 @@ class GraphState:
         self.engines: dict[GraphKey, Engine] = {}
         self.build_seconds: dict[GraphKey, float] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        # (engine key, batch bucket) -> the engine's capture of that decode signature
-        self.captured: dict[tuple[GraphKey, int], CaptureHandle] = {}
-        self._staging: dict[tuple[GraphKey, int], _Staging] = {}
+        # (engine key, batch bucket) -> the engine's capture of that decode signature; prefill
+        # signatures are keyed (engine key, ("prefill", tokens, sequences)).
+        self.captured: dict[tuple[GraphKey, Any], CaptureHandle] = {}
+        self._staging: dict[tuple[GraphKey, Any], _Staging] = {}
         self.dump_dir: str | None = None  # write each engine's intermediates of its first step
         self._dumped: set[GraphKey] = set()
         self.features: dict[str, FeatureDecorator] = {
@@ -313,6 +320,10 @@ class GraphState:
         key = (is_prefill, self._features_for(batch))
         engine = self.engines.get(key) or self._build(key)
         extra_in, extra_out, runtime = self.model._update_model_inputs(batch)
+        if is_prefill and not (extra_in or extra_out or runtime):
+            padded = self._prefill_bucket(batch, key)
+            if padded is not None:
+                return self._run_prefill_graph(batch, key, engine, *padded)
         if bucket is not None:
             # Decode through a CUDA graph: the step's integers go into the bucket's persistent
             # staging buffers, which the graph reads in place (captured on first use).
@@ -347,6 +358,46 @@ class GraphState:
             staging.mark_replayed()
         logits = outputs["model_out"]
         return logits if is_prefill else logits[:num_seqs]
+
+    def _prefill_bucket(self, batch: BatchMeta, key: GraphKey) -> tuple[int, int] | None:
+        """(tokens, sequences) a prefill is padded to for a CUDA graph, or None to run it
+        uncaptured: too many tokens, sequences or logits rows, a feature engine, a dump, or a
+        model spread over several devices (tensor parallel or placed: not measured yet)."""
+        if key[1] or not self._can_capture() or self.dump_dir is not None:
+            return None
+        if self.config.world_size > 1 or self.model.placement is not None:
+            return None
+        tokens = prefill_token_bucket(batch.num_tokens, self.config.prefill_graph_tokens)
+        seqs = self._bucket(max(batch.num_seqs, len(batch.default_logits_indices())))
+        if tokens is None or seqs is None:
+            return None
+        return tokens, seqs
+
+    def _run_prefill_graph(self, batch: BatchMeta, key: GraphKey, engine: Engine, tokens: int,
+                           seqs: int) -> torch.Tensor:
+        """A prefill from the CUDA graph of its padded signature (captured on first use).
+
+        Prefill is otherwise bound by the host: a few hundred uncaptured launches, each costing
+        more CPU time than small models' kernels take on the GPU. The signatures' buffers share
+        one arena (``Engine.capture(share_arena=True)``), so the token buckets cost the memory
+        of the largest one."""
+        arrays = pad_prefill_arrays(self._input_arrays(batch, True, ()), tokens, seqs)
+        signature = (key, ("prefill", tokens, seqs))
+        staging = self._staging.get(signature)
+        if staging is None:
+            staging = self._staging[signature] = _Staging(
+                {name: a.shape for name, a in arrays.items()}, self.config.device,
+                self._resident_inputs(()))
+        staging.write_arrays(arrays)
+        handle = self.captured.get(signature)
+        if handle is None or not engine.is_captured(handle):
+            staging.upload()
+            handle = engine.capture(staging.inputs, by_reference=list(staging.inputs),
+                                    prologue=staging.upload, share_arena=True)
+            self.captured[signature] = handle
+        outputs = engine.replay(handle)
+        staging.mark_replayed()
+        return outputs["model_out"][:len(batch.default_logits_indices())]
 
     def _dump_first(self, key: GraphKey, engine: Engine, inputs: dict[str, Any],
                     runtime: dict[str, Any]) -> None:
@@ -438,6 +489,13 @@ class _Staging:
         self._write_tables(batch.block_tables)
         for name, a in extra.items():
             views[name][...] = a
+
+    def write_arrays(self, arrays: dict[str, np.ndarray]) -> None:
+        """Put whole arrays (a padded prefill's) into the host array."""
+        if self._replayed is not None:
+            self._replayed.synchronize()
+        for name, a in arrays.items():
+            self.views[name][...] = a
 
     def _write_tables(self, tables: Sequence[Sequence[int]]) -> None:
         tables = tables if isinstance(tables, list) else list(tables)

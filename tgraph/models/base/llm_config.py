@@ -25,6 +25,9 @@ class LlmConfig:
             kernels op by op).
         cuda_graph: replay decode steps from captured CUDA graphs (static mode on CUDA).
         batch_buckets: decode batch sizes that get a CUDA graph (a batch is padded up).
+        prefill_graph_tokens: prefill steps of up to this many tokens (and at most
+            ``max(batch_buckets)`` sequences) replay CUDA graphs captured at token buckets,
+            padded up (static mode on CUDA with ``cuda_graph``); 0 runs prefill uncaptured.
         disabled_passes: pass names to skip.
         rank, world_size: tensor-parallel position.
         features: settings of feature decorators (e.g. ``{"max_loras": 4}``).
@@ -38,6 +41,7 @@ class LlmConfig:
     graph: str = "static"
     cuda_graph: bool = True
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prefill_graph_tokens: int = 4096
     disabled_passes: tuple[str, ...] = ()
     rank: int = 0
     world_size: int = 1
@@ -47,6 +51,10 @@ class LlmConfig:
         self.device = torch.device(self.device)
         if self.graph not in GRAPH_MODES:
             raise ConfigError(f"llm.engine.graph must be one of {GRAPH_MODES}, got {self.graph!r}")
+        if isinstance(self.prefill_graph_tokens, bool) or not isinstance(
+                self.prefill_graph_tokens, int) or self.prefill_graph_tokens < 0:
+            raise ConfigError("prefill_graph_tokens must be an int >= 0, got "
+                              f"{self.prefill_graph_tokens!r}")
         if self.max_model_len < 1 or self.block_size < 1:
             raise ConfigError("max_model_len and block_size must be positive")
 
