@@ -91,7 +91,7 @@ def prefill_token_bucket(num_tokens: int, limit: int) -> int | None:
     if num_tokens < 1 or num_tokens > limit:
         return None
     step = 128 if num_tokens <= 1024 else 256
-    return min(-(-num_tokens // step) * step, max(limit, num_tokens))
+    return min(-(-num_tokens // step) * step, limit)
 
 
 def pad_prefill_arrays(arrays: dict[str, np.ndarray], tokens: int,

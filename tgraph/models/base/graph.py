@@ -479,10 +479,7 @@ class _Staging:
 
     def write(self, batch: BatchMeta, extra: dict[str, np.ndarray]) -> None:
         """Put a (bucket-padded) decode batch and the features' arrays into the host array."""
-        # The previous replay copies the host array at its start: wait for it (the step's caller
-        # reads its logits anyway, so this waits for nothing in a decode loop).
-        if self._replayed is not None:
-            self._replayed.synchronize()
+        self._wait_for_replay()
         views = self.views
         for name, field_name in _BATCH_FIELDS.items():
             views[name][:] = getattr(batch, field_name)
@@ -492,10 +489,15 @@ class _Staging:
 
     def write_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Put whole arrays (a padded prefill's) into the host array."""
-        if self._replayed is not None:
-            self._replayed.synchronize()
+        self._wait_for_replay()
         for name, a in arrays.items():
             self.views[name][...] = a
+
+    def _wait_for_replay(self) -> None:
+        # The previous replay copies the host array at its start: wait for it (the step's caller
+        # reads its logits anyway, so this waits for nothing in a step loop).
+        if self._replayed is not None:
+            self._replayed.synchronize()
 
     def _write_tables(self, tables: Sequence[Sequence[int]]) -> None:
         tables = tables if isinstance(tables, list) else list(tables)
