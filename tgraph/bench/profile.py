@@ -48,14 +48,8 @@ def main() -> None:
     print(f"  graph replay only: {time_ms(replay, iters=100):.3f} ms")
     print(f"  model.run (inputs + replay + logits): {time_ms(lambda: model.run(meta)):.3f} ms")
     print(f"  host time of model.run (GPU idle before it): {host_ms(lambda: model.run(meta), iters=50):.3f} ms")
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(20):
-            model.run(meta)
-        torch.cuda.synchronize()
+    prof = _profile(lambda: model.run(meta), 20, args.trace)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    if args.trace:
-        prof.export_chrome_trace(args.trace)
     if args.timeline:
         print_timeline(profile_step(replay), limit=None)
 
@@ -71,16 +65,22 @@ def profile_prefill(model, name: str, shape: str, trace: str | None) -> None:
     meta = prefill_batch(n, length, block_size)
     print(f"{name} prefill {n}x{length}: {time_ms(lambda: model.run(meta), warmup=2, iters=10):.2f} ms "
           f"per call, host time {host_ms(lambda: model.run(meta), iters=5):.2f} ms")
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(5):
-            model.run(meta)
-        torch.cuda.synchronize()
-    table = prof.key_averages()
+    table = _profile(lambda: model.run(meta), 5, trace).key_averages()
     print(table.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))
+
+
+def _profile(step, runs: int, trace: str | None):
+    """The torch profiler (CPU and CUDA) over ``runs`` calls of ``step``; writes a Chrome trace
+    to ``trace`` when given."""
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(runs):
+            step()
+        torch.cuda.synchronize()
     if trace:
         prof.export_chrome_trace(trace)
+    return prof
 
 
 if __name__ == "__main__":

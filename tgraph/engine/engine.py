@@ -568,10 +568,10 @@ class Engine:
         Raises:
             CaptureError: if the capture was released since, or holds some input by copy.
         """
-        capture = self._captures.get(handle.key)
-        if capture is not handle.capture:
+        if not self.is_captured(handle):
             raise CaptureError(f"engine {self.net.name!r}: this capture was released "
                                "(release_captures, set_weights or to); capture again")
+        capture = handle.capture
         if not capture.all_held:
             raise CaptureError("replay() needs every input held by reference; use forward()")
         self._replay(capture)

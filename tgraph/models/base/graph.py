@@ -381,7 +381,9 @@ class GraphState:
         more CPU time than small models' kernels take on the GPU. The signatures' buffers share
         one arena (``Engine.capture(share_arena=True)``), so the token buckets cost the memory
         of the largest one."""
-        arrays = pad_prefill_arrays(self._input_arrays(batch, True, ()), tokens, seqs)
+        arrays = self._input_arrays(batch, True, ())
+        num_logits = len(arrays["lm_head_indices"])
+        arrays = pad_prefill_arrays(arrays, tokens, seqs)
         signature = (key, ("prefill", tokens, seqs))
         staging = self._staging.get(signature)
         if staging is None:
@@ -397,7 +399,7 @@ class GraphState:
             self.captured[signature] = handle
         outputs = engine.replay(handle)
         staging.mark_replayed()
-        return outputs["model_out"][:len(batch.default_logits_indices())]
+        return outputs["model_out"][:num_logits]
 
     def _dump_first(self, key: GraphKey, engine: Engine, inputs: dict[str, Any],
                     runtime: dict[str, Any]) -> None:
