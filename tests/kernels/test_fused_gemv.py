@@ -66,7 +66,8 @@ def _run(M, N_out, K, dtype, *, gated, norm, with_g=True, bias=False, residual=F
 @pytest.mark.parametrize("M", [1, 3, 17])
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_norm_prologue(dtype, M, split_k):
-    # K = 100 is ragged against every BLOCK_K; split 3 exercises the sum-of-squares pre-pass.
+    # K = 100 is ragged against every BLOCK_K; split 3 sums the squares per split and the
+    # reduce applies 1 / rms.
     _run(M, 24, 100, dtype, gated=False, norm=True, bias=True, split_k=split_k)
 
 
@@ -102,13 +103,28 @@ def test_swapped_operands(dtype, M, fusion, split):
 
 
 def test_gated_split_uses_a_double_workspace():
-    M, N, K = 2, 16, 1024  # four 256-wide K tiles at M=2, so split_k=4 holds
+    M, N, K = 2, 16, 4096  # four 1024-wide K tiles at M=2, so split_k=4 holds
     assert workspace_size(M, N, 4, gated=True) == 2 * workspace_size(M, N, 4)
     x, w, g, b, r = _inputs(M, N, K, torch.float32, gated=True)
     out = torch.empty(M, N, device=DEV)
     with pytest.raises(ValueError, match="workspace must be contiguous with >= 256"):
         small_m_linear(x, w, out, workspace=torch.empty(workspace_size(M, N, 4), device=DEV),
                        split_k=4, gated=True)
+
+
+def test_norm_split_keeps_its_sums_of_squares_in_the_workspace():
+    M, N, K = 2, 16, 4096
+    assert workspace_size(M, N, 4, norm=True) == workspace_size(M, N, 4) + 4 * M
+    assert workspace_size(M, N, 1, norm=True) == 0
+    x, w, g, b, r = _inputs(M, N, K, torch.float32, gated=False)
+    out = torch.empty(M, N, device=DEV)
+    with pytest.raises(ValueError, match=f"workspace must be contiguous with >= {4 * M * (N + 1)}"):
+        small_m_linear(x, w, out, workspace=torch.empty(workspace_size(M, N, 4), device=DEV),
+                       split_k=4, norm_eps=EPS, norm_weight=g)
+    # A workspace full of NaN: every element the kernels read must be written first.
+    ws = torch.full((workspace_size(M, N, 4, norm=True),), float("nan"), device=DEV)
+    small_m_linear(x, w, out, workspace=ws, split_k=4, norm_eps=EPS, norm_weight=g)
+    torch.testing.assert_close(out.double(), _reference(x, w, g=g, norm=True), rtol=1e-5, atol=1e-5)
 
 
 def test_fusion_arguments_are_checked():
@@ -145,7 +161,9 @@ def test_fused_configs_swap_the_operands_at_16_rows():
     assert choose_config(16, 8192, 2048, "cpu", gated=True, norm=True, itemsize=4)[:2] == (64, 128)
     # Unfused 16-row linears keep narrow column blocks and split to fill the GPU.
     assert choose_config(16, 2048, 2048, "cpu")[0] == 16
-    assert choose_config(4, 3072, 2048, "cpu", norm=True)[0] == 16
+    # 2-4 rows are padded to the same 16-row tiles.
+    assert choose_config(4, 3072, 2048, "cpu", norm=True) == (64, 256, 1, 4, 4)
+    assert choose_config(2, 8192, 2048, "cpu", gated=True, norm=True) == (64, 256, 1, 4, 3)
 
 
 def test_config_overrides_replace_the_heuristic_for_their_shape(monkeypatch):

@@ -103,7 +103,8 @@ def main() -> None:
             for bn, bk, warps, stages, split in _space(m, *axes):
                 if split > 1 and bk * split > 2 * k:
                     continue
-                ws = torch.empty(max(split * m * rows, 1), device="cuda", dtype=torch.float32)
+                need = gemv.workspace_size(m, n, split, gated, norm="norm" in args.fusion)
+                ws = torch.empty(max(need, 1), device="cuda", dtype=torch.float32)
                 cfg = (bn, bk, split, warps, stages)
                 try:
                     t = cold_ms(lambda w: small_m_linear(x, w, out, workspace=ws, config=cfg, **kw),

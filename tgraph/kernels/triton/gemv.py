@@ -19,8 +19,9 @@ Decode fusions (constexpr switches, so a plain linear compiles to the same code 
 
 - RMSNorm prologue (``norm_eps``): ``x`` is multiplied by the norm weight as it is streamed and
   the rows' sums of squares are accumulated alongside; ``1 / rms`` factors out of the dot product,
-  so it scales the accumulator once after the loop. With split-K every split needs the whole row,
-  so a short pre-pass over ``x`` (L2-resident: a few KB per row) computes the sums first.
+  so it scales the accumulator once after the loop. With split-K each split sums the squares of
+  its own K range; the splits of the first column block write them beside their partial sums and
+  the reduce applies ``1 / rms`` to the total (no split reads more of ``x`` than its range).
 - SwiGLU epilogue (``gated``): on a packed ``[2N, K]`` gate|up weight a program computes the same
   columns of both halves (a second accumulator) and writes ``silu(gate) * up``: the ``[M, 2N]``
   product is never stored and the activation needs no launch.
@@ -30,8 +31,7 @@ every M of the bucket):
 
 - ``BLOCK_M == 1``: elementwise FMA into a ``[BLOCK_N, BLOCK_K]`` fp32 register accumulator, reduced
   across K once after the loop (no cross-lane reduction per iteration).
-- ``BLOCK_M in (2, 4)``: broadcast product ``[BLOCK_M, BLOCK_N, BLOCK_K]`` reduced per iteration.
-- ``BLOCK_M >= 16`` (M >= 5): ``tl.dot`` on tensor cores; M is padded to 16/32 which costs nothing in
+- ``BLOCK_M >= 16`` (M >= 2): ``tl.dot`` on tensor cores; M is padded to 16/32 which costs nothing in
   a bandwidth-bound kernel. With ``BLOCK_N >= 64`` the operands are swapped (``SWAP_AB``): the
   weight tile is the MMA's M side (``acc[BLOCK_N, BLOCK_M] = w @ x.T``, transposed once after the
   loop), so a program streams a weight tile several times larger than the activations' tile
@@ -50,10 +50,6 @@ from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["small_m_linear", "choose_config", "prefer_small_m", "workspace_size"]
 
-# Split-K aims at this many programs per SM: several resident programs per SM keep enough weight
-# bytes in flight to cover HBM latency (no shared memory is used on the M <= 4 path, so occupancy
-# is bounded by registers only).
-_PROGRAMS_PER_SM = 2
 _MAX_SPLIT_K = 16
 # Largest M bucket; larger M adds programs along grid axis 2 (weight re-read per 32 rows).
 _MAX_BLOCK_M = 32
@@ -123,8 +119,6 @@ def _mac(acc, w, xv, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, SWAP_AB: tl.c
     if BLOCK_M == 1:
         # acc is [BLOCK_N, BLOCK_K]: elementwise FMA, reduced over K once after the loop.
         return acc + w.to(tl.float32) * xv.to(tl.float32)
-    elif BLOCK_M < 16:
-        return acc + tl.sum(xv.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     elif SWAP_AB:
         # acc is [BLOCK_N, BLOCK_M]: the weight tile on the MMA's M side.
         if F32_DOT:
@@ -154,12 +148,10 @@ def _load_w_tile(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, GATED
 @triton.jit
 def _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
             BLOCK_M: tl.constexpr, NORM: tl.constexpr, HAS_G: tl.constexpr,
-            NORM_PREPASS: tl.constexpr, GATED: tl.constexpr, F32_DOT: tl.constexpr,
-            SWAP_AB: tl.constexpr):
+            GATED: tl.constexpr, F32_DOT: tl.constexpr, SWAP_AB: tl.constexpr):
     """One K tile of the main loop: the activations' tile, its sums of squares, the products."""
     xv, part = _load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G)
-    if not NORM_PREPASS:
-        sq += part
+    sq += part
     acc = _mac(acc, w, xv, BLOCK_M, F32_DOT, SWAP_AB)
     if GATED:
         acc_u = _mac(acc_u, w_u, xv, BLOCK_M, F32_DOT, SWAP_AB)
@@ -172,14 +164,16 @@ def _small_m_linear_kernel(
     M, N, K, k_per_split, gate_rows, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
-    NORM: tl.constexpr, HAS_G: tl.constexpr, NORM_PREPASS: tl.constexpr, GATED: tl.constexpr,
+    NORM: tl.constexpr, HAS_G: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
 ):
     """Output columns ``[pid_n * BLOCK_N, +BLOCK_N)`` of ``BLOCK_M`` rows over one K split.
 
     ``NORM``: ``x`` is RMS-normalised on the fly (times ``g`` when ``HAS_G``); the sums of squares
-    come from the main loop, or from a pass over all of K first (``NORM_PREPASS``) when K is split.
+    come from the main loop. With ``WRITE_PARTIAL`` (split K) the partial sums stay unscaled and
+    the program of column block 0 stores its split's sums of squares after the ``[split, M,
+    width]`` partials, for the reduce to apply ``1 / rms``.
     ``GATED``: the program also computes the same columns of the "up" half (weight rows
     ``gate_rows + n``) and the output is ``silu(gate) * up`` (N counts the output columns).
     """
@@ -212,19 +206,12 @@ def _small_m_linear_kernel(
     # the PDL wait and stream while the previous kernel drains (see tgraph.kernels.triton.pdl).
     w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, k_start, k_end, mask_n, BLOCK_K, GATED)
     pdl_wait(PDL)
-    if NORM_PREPASS:
-        # K is split: every split needs the whole rows' sums of squares.
-        for k0 in range(0, K, BLOCK_K):
-            offs_p = k0 + tl.arange(0, BLOCK_K)
-            xp = tl.load(x_rows + offs_p[None, :], mask=mask_m[:, None] & (offs_p < K)[None, :], other=0.0)
-            xp = xp.to(tl.float32)
-            sq += tl.sum(xp * xp, axis=1)
     acc, acc_u, sq = _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
-                             BLOCK_M, NORM, HAS_G, NORM_PREPASS, GATED, F32_DOT, SWAP_AB)
+                             BLOCK_M, NORM, HAS_G, GATED, F32_DOT, SWAP_AB)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K, GATED)
         acc, acc_u, sq = _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
-                                 BLOCK_M, NORM, HAS_G, NORM_PREPASS, GATED, F32_DOT, SWAP_AB)
+                                 BLOCK_M, NORM, HAS_G, GATED, F32_DOT, SWAP_AB)
 
     if BLOCK_M == 1:
         acc = tl.sum(acc, axis=1)[None, :]
@@ -232,20 +219,24 @@ def _small_m_linear_kernel(
     elif SWAP_AB:
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
-    if NORM:
-        rstd = tl.math.rsqrt(sq / K + eps)
-        acc = acc * rstd[:, None]
-        acc_u = acc_u * rstd[:, None]
-
     mask_mn = mask_m[:, None] & mask_n[None, :]
     if WRITE_PARTIAL:
-        # Workspace [split, M, N] (GATED: [split, M, 2N], gate columns then up columns).
+        # Workspace [split, M, N] (GATED: [split, M, 2N], gate columns then up columns), then
+        # (NORM) the sums of squares [split, M].
         width = 2 * N if GATED else N
         ws = ws_ptr + (pid_k * M + offs_m.to(tl.int64))[:, None] * width + offs_n[None, :]
         tl.store(ws, acc, mask=mask_mn)
         if GATED:
             tl.store(ws + N, acc_u, mask=mask_mn)
+        if NORM:
+            if pid_n == 0:
+                sq_ptrs = ws_ptr + tl.num_programs(1) * M * width + pid_k * M + offs_m
+                tl.store(sq_ptrs, sq, mask=mask_m)
     else:
+        if NORM:
+            rstd = tl.math.rsqrt(sq / K + eps)
+            acc = acc * rstd[:, None]
+            acc_u = acc_u * rstd[:, None]
         out = _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_mn, gate_rows,
                         stride_rm, HAS_BIAS, HAS_RES, GATED)
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -271,10 +262,10 @@ def _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_mn, ga
 @triton.jit
 def _split_k_reduce_kernel(
     ws_ptr, bias_ptr, res_ptr, out_ptr,
-    M, N, split_k, gate_rows,
+    M, N, K, split_k, gate_rows, eps,
     stride_rm, stride_om,
-    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):
     pdl_wait(PDL)
     pid_n = tl.program_id(0)
@@ -290,6 +281,13 @@ def _split_k_reduce_kernel(
         acc += tl.load(row, mask=mask_n[None, :], other=0.0)
         if GATED:
             acc_u += tl.load(row + N, mask=mask_n[None, :], other=0.0)
+    if NORM:  # 1 / rms of the row from the splits' sums of squares, same fixed order
+        sq = tl.zeros((1,), dtype=tl.float32)
+        for s in range(0, split_k):
+            sq += tl.load(ws_ptr + split_k * M * width + s * M + m + tl.arange(0, 1))
+        rstd = tl.math.rsqrt(sq / K + eps)
+        acc = acc * rstd[:, None]
+        acc_u = acc_u * rstd[:, None]
     offs_m = m + tl.arange(0, 1)
     out = _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_n[None, :],
                     gate_rows, stride_rm, HAS_BIAS, HAS_RES, GATED)
@@ -308,9 +306,16 @@ def _use_f32_dot(dtype: torch.dtype) -> bool:
 
 
 def _block_m(M: int) -> int:
-    """M bucket: 1, 2, 4 (CUDA-core paths) or 16, 32 (``tl.dot`` needs >= 16 rows)."""
-    if M <= 4:
-        return triton.next_power_of_2(max(M, 1))
+    """M bucket: 1 (CUDA-core FMA) or 16, 32 (``tl.dot`` needs >= 16 rows).
+
+    NOTE: 2-4 rows padded to 16 for ``tl.dot`` read each weight once just as M=1 does. They had
+    CUDA-core paths of their own, both slower by far on an H100 (2026-11-25, Llama-3.2-1B batch
+    4, ms per replay): a product reduced over K at every tile 7.0 (gate|up 158 us per layer), an
+    FMA accumulator of M=1's registers 2.89, against 1.15-1.19 padded to 16 (batch 2: 1.50 /
+    1.14; Qwen2.5-0.5B batch 4 1.66-1.73 / 0.94; Llama-3-8B batch 4 14.2-14.4 / 5.84-5.98).
+    """
+    if M == 1:
+        return 1
     return 16 if M <= 16 else _MAX_BLOCK_M
 
 
@@ -375,11 +380,7 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
     k_pow2 = triton.next_power_of_2(max(K, 16))
     if block_m == 1:
         return _m1_config(N, K, gated, norm, sm_count(device))
-    if block_m < 16:
-        # The [BLOCK_M, BLOCK_N, BLOCK_K] product lives in registers: keep it at 8K elements.
-        block_n, block_k = 16, max(min(512 // block_m, k_pow2), 16)
-        stages = 3 if K >= 4096 else 2
-    elif gated or norm:
+    if gated or norm:
         # 16 rows with a fused norm or gate: swapped operands, 64 weight rows per program, no
         # split (a split needs a pass over all of K for the norm, and the gated grid fills the
         # GPU). Cold-weight sweep on an H100 (docs/bench/h100-gemv-tune-m16-fused.txt): q|k|v
@@ -408,18 +409,13 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
         block_n = 16 if N <= 2048 else 32
         stages = _M16_STAGES
 
+    # Tensor-core tiles keep enough bytes in flight with one program per SM: split only below
+    # half a wave, up to one wave.
     n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
-    k_blocks = triton.cdiv(K, block_k)
     sms = sm_count(device)
-    if block_m >= 16:
-        # Tensor-core tiles keep enough bytes in flight with one program per SM: split only
-        # below half a wave, up to one wave.
-        split_below, target = sms // 2, sms
-    else:
-        split_below = target = _PROGRAMS_PER_SM * sms
     split_k = 1
-    if n_blocks < split_below:
-        split_k = _even_split(k_blocks, triton.cdiv(target, n_blocks))
+    if n_blocks < sms // 2:
+        split_k = _even_split(triton.cdiv(K, block_k), triton.cdiv(sms, n_blocks))
     return block_n, block_k, split_k, 4, stages
 
 
@@ -454,7 +450,7 @@ def _even_split(k_blocks: int, want: int) -> int:
     return triton.cdiv(k_blocks, per_split)
 
 
-def workspace_size(M: int, N: int, split_k: int, gated: bool = False) -> int:
+def workspace_size(M: int, N: int, split_k: int, gated: bool = False, norm: bool = False) -> int:
     """Number of fp32 elements of the split-K workspace (0 when ``split_k == 1``).
 
     Args:
@@ -462,11 +458,14 @@ def workspace_size(M: int, N: int, split_k: int, gated: bool = False) -> int:
         N: output features.
         split_k: the split chosen by :func:`choose_config` (or forced by the caller).
         gated: a gated linear keeps the gate and the up partial sums (twice the space).
+        norm: a fused RMSNorm keeps each split's sums of squares too (``split_k * M`` more).
 
     Returns:
-        ``split_k * M * N`` (times 2 when gated) when ``split_k > 1``, else 0.
+        ``split_k * M * (N (2N when gated) + (1 when norm))`` when ``split_k > 1``, else 0.
     """
-    return split_k * M * N * (2 if gated else 1) if split_k > 1 else 0
+    if split_k <= 1:
+        return 0
+    return split_k * M * (N * (2 if gated else 1) + (1 if norm else 0))
 
 
 def _check_matrix(name: str, t: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
@@ -583,7 +582,7 @@ def small_m_linear(
     pdl = pdl_kwargs(x)
     dummy = out  # stands in for absent optional pointers (never read)
     common = dict(
-        NORM=norm_eps is not None, HAS_G=norm_weight is not None, NORM_PREPASS=norm_eps is not None and split > 1,
+        NORM=norm_eps is not None, HAS_G=norm_weight is not None,
         GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=_use_f32_dot(x.dtype),
         SWAP_AB=block_m >= 16 and block_n >= _SWAP_MIN_BLOCK_N,
         num_warps=num_warps, num_stages=num_stages, **pdl,
@@ -602,7 +601,7 @@ def small_m_linear(
         )
         return out
 
-    need = workspace_size(M, N, split, gated)
+    need = workspace_size(M, N, split, gated, norm=norm_eps is not None)
     if workspace is None:
         workspace = torch.empty(need, dtype=torch.float32, device=device)
     else:
@@ -620,9 +619,9 @@ def small_m_linear(
     )
     _split_k_reduce_kernel[(triton.cdiv(N, _REDUCE_BLOCK_N), M)](
         workspace, bias if bias is not None else dummy, residual if residual is not None else dummy, out,
-        M, N, split, N,
+        M, N, K, split, N, eps,
         res_stride, out.stride(0),
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, GATED=gated, BLOCK_N=_REDUCE_BLOCK_N,
-        num_warps=4, **pdl,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, GATED=gated,
+        NORM=norm_eps is not None, BLOCK_N=_REDUCE_BLOCK_N, num_warps=4, **pdl,
     )
     return out
