@@ -1081,11 +1081,22 @@ TO_DEVICE_INFO = OpInfo("to_device", lambda x: F.to_device(x, "cpu:1"), lambda x
                         lambda dtype: [Sample({"x": rand(5, 8, dtype=dtype)},
                                               shapes={"x": ("num_tokens", 8)})])
 
+# A hint: x comes back unchanged whatever the weights (the kernel prefetches them on CUDA only).
+PREFETCH_INFO = OpInfo(
+    "l2_prefetch",
+    lambda x, w_o, w_gate_up: F.record("l2_prefetch", [x, w_o, w_gate_up], halves=(1, 2),
+                                       fraction=0.5),
+    lambda x, w_o, w_gate_up: x,
+    lambda dtype: [Sample({"x": rand(3, 4, 8, dtype=dtype)}, shapes={"x": ("num_tokens", 4, 8)},
+                          weights={"w_o": rand(32, 32, dtype=dtype),
+                                   "w_gate_up": rand(64, 32, dtype=dtype)})])
+
 OP_INFOS: list[OpInfo] = (
     UNARY_INFOS + SIGNED_INFOS + BINARY_INFOS + [PROMOTION_INFO] + COMPARE_INFOS
     + [WHERE_INFO, CAST_INFO] + REDUCE_INFOS + [SOFTMAX_INFO] + LINALG_INFOS + ACTIVATION_INFOS
     + VIEW_INFOS + MEMORY_INFOS + [ROPE_INFO, CACHE_INFO] + ATTENTION_INFOS + FUSED_INFOS
     + COLLECTIVE_INFOS + [LORA_INFO] + LORA_PROLOGUE_INFOS + [SDPA_INFO, TO_DEVICE_INFO]
+    + [PREFETCH_INFO]
 )
 
 

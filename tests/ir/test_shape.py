@@ -249,6 +249,7 @@ def test_shape_rule_errors_at_record_time(build, fragments: list[str]) -> None:
 # Inputs and attributes of the ops whose rule is not "one tensor, no attributes".
 RULE_ARGS: dict[str, tuple[int, dict]] = {
     "to_device": (1, {"device": "cpu:1"}), "sdpa_attention": (6, {}),
+    "l2_prefetch": (3, {"halves": (1, 2), "fraction": 0.5}),
     "all_reduce_add_rms_norm": (3, {"eps": 1e-6, "world_size": 2}),
     "lora_shrink_concat": (7, {"lead": 0, "width": 0}),
     "rms_norm_lora_concat": (8, {"eps": 1e-6, "lead": 0, "width": 0}),

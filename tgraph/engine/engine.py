@@ -21,6 +21,7 @@ from tgraph.ir.network import Network
 from tgraph.ir.ops import get_op
 from tgraph.ir.ops.transfer import placement_device
 from tgraph.ir.value import Value, ValueKind
+from tgraph.kernels.side_streams import join_forked
 from tgraph.passes.manager import PassManager, PassRecord
 from tgraph.passes.memory import MemoryPlan, alias_base, plan_memory
 from tgraph.passes.partition import (
@@ -306,6 +307,8 @@ class Engine:
             if release:
                 for s in step.release:
                     slots[s] = None
+        # Work a kernel forked onto a side stream (an L2 prefetch) joins the step here.
+        join_forked()
 
     def _collect(self, plan: LaunchPlan, slots: list[Any],
                  outputs: Mapping[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:

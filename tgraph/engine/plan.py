@@ -58,9 +58,10 @@ def _has_symbols(attrs: dict[str, Any]) -> bool:
 
 
 def is_pure_view(node: Node) -> bool:
-    """Every output of the node aliases an input: it launches nothing and needs no buffer."""
+    """Every output of the node aliases an input and the op launches nothing on the side: it
+    needs no buffer and no kernel."""
     op = get_op(node.op)
-    return all(op.alias_input(i) is not None for i in range(len(node.outputs)))
+    return not op.launches and all(op.alias_input(i) is not None for i in range(len(node.outputs)))
 
 
 def on_device(kernel: Kernel, device: torch.device) -> Kernel:

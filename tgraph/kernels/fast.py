@@ -124,6 +124,14 @@ def _rope_cache_attention(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots
     return outs[0], k_cache, v_cache
 
 
+@_register("l2_prefetch")
+def _l2_prefetch(outs: Outs, x, *weights, halves, fraction):
+    from tgraph.kernels.triton.prefetch import prefetch_ahead
+
+    prefetch_ahead(x, weights, halves, fraction)
+    return x
+
+
 @_register("paged_attention")
 def _paged_attention(outs: Outs, q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None,
                      k_new=None, v_new=None, *, scale=None, sliding_window=None):

@@ -11,6 +11,7 @@ from tgraph.passes.lora_fusion import LoraPrologue
 from tgraph.passes.manager import Pass
 from tgraph.passes.norm_fusion import AddRmsNorm, NormLinear
 from tgraph.passes.pointwise_fusion import PointwiseFusion
+from tgraph.passes.prefetch import L2Prefetch
 
 
 def default_pipeline() -> list[Pass]:
@@ -19,7 +20,8 @@ def default_pipeline() -> list[Pass]:
     all-reduce + add + RMSNorm right after AddRmsNorm, which it builds on, and before pointwise
     fusion could take the add; the decode rope into attention once rope_cache exists; norms and
     gates into the linears around them once the norm and gate ops exist, and into the LoRA
-    shrinks that NormLinear leaves); generated pointwise kernels for what is left; clean up."""
+    shrinks that NormLinear leaves); generated pointwise kernels for what is left; once the
+    linears are final, the L2 prefetch of each decode layer's weights; clean up."""
     return [
         NoOpRemoval(),
         CommonSubexpressionElimination(),
@@ -35,6 +37,7 @@ def default_pipeline() -> list[Pass]:
         LoraPrologue(),
         LinearEpilogue(),
         PointwiseFusion(),
+        L2Prefetch(),
         DeadCodeElimination(),
     ]
 

@@ -65,6 +65,8 @@ class OpDef:
             (a tuple); the engine allocates no buffer for such outputs.
         mutates: inputs written in place (e.g. the KV cache); nodes that mutate are never removed.
         commutative: the pattern matcher may swap the two inputs.
+        launches: the op's outputs are views, but its kernel does work on the side (a prefetch),
+            so the engine runs it rather than treating the node as a free view.
     """
 
     name: str
@@ -75,6 +77,7 @@ class OpDef:
     mutates: tuple[int, ...] = ()
     commutative: bool = False
     doc: str = field(default="", compare=False)
+    launches: bool = False
 
     def infer_metas(self, metas: Sequence[Meta], attrs: dict[str, Any]) -> list[Meta]:
         """Run the rule and always return a list of output metas."""
@@ -107,11 +110,12 @@ def register_op(
     mutates: tuple[int, ...] = (),
     commutative: bool = False,
     doc: str = "",
+    launches: bool = False,
 ) -> OpDef:
     """Register an op; raises if the name is taken."""
     if name in _REGISTRY:
         raise ValueError(f"op {name!r} is already registered")
-    op = OpDef(name, infer, reference, category, view_of, mutates, commutative, doc)
+    op = OpDef(name, infer, reference, category, view_of, mutates, commutative, doc, launches)
     _REGISTRY[name] = op
     return op
 
