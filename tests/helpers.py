@@ -224,3 +224,15 @@ def capture_cuda_graph(step: Callable[[], Any]) -> "torch.cuda.CUDAGraph":
     with torch.cuda.graph(graph):
         step()
     return graph
+
+
+def build_with_triton_backend(monkeypatch: Any) -> None:
+    """Make every ``Network.build_engine`` of the test pick the Triton backend (on CPU tensors
+    through the interpreter); skips the test where the interpreter is not set."""
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on CPU tensors needs the interpreter (set without CUDA)")
+    build = Network.build_engine
+    monkeypatch.setattr(Network, "build_engine",
+                        lambda self, *a, **k: build(self, *a, **{**k, "backend": "triton"}))

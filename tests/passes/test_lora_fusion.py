@@ -4,7 +4,6 @@ the fused references are the compositions of the unfused ones; on the Triton bac
 accumulation-order tolerance) and structure (matches, kernels, ops)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -12,11 +11,12 @@ import torch
 
 from tgraph.bench.lora import write_random_adapter
 from tgraph.bench.models import random_weights
-from tgraph.ir.network import Network
 from tgraph.models.base.config import ModelConfig
 from tgraph.models.base.weight_loader import DictWeightLoader
 from tgraph.models.loading import build_model
 from tgraph.testing import PagedBatcher
+
+from tests.helpers import build_with_triton_backend
 
 HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -58,12 +58,8 @@ def _ops(engine) -> list[str]:
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_fused_prologues_equal_the_unfused_graph(tmp_path, backend, monkeypatch):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend on CPU tensors needs the interpreter (set without CUDA)")
     if backend == "triton":
-        build = Network.build_engine
-        monkeypatch.setattr(Network, "build_engine",
-                            lambda self, *a, **k: build(self, *a, **{**k, "backend": "triton"}))
+        build_with_triton_backend(monkeypatch)
     fused_model, fused = _run(tmp_path, ())
     plain_model, plain = _run(tmp_path, ("LoraPrologue",))
     for got, want in zip(fused, plain):

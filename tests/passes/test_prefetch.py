@@ -6,18 +6,18 @@ byte selection, and on a GPU the launch itself inside a captured decode step.
 """
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 
 from tgraph.bench.models import random_weights
-from tgraph.ir.network import Network
 from tgraph.kernels.triton import prefetch
 from tgraph.models.base.config import ModelConfig
 from tgraph.models.base.weight_loader import DictWeightLoader
 from tgraph.models.loading import build_model
 from tgraph.testing import PagedBatcher
+
+from tests.helpers import build_with_triton_backend
 
 HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
           intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -44,12 +44,8 @@ def _run(disabled: tuple[str, ...], device: str = "cpu", dtype=torch.float32, ba
 
 @pytest.mark.parametrize("backend", ["reference", "triton"])
 def test_prefetch_changes_no_result(backend, monkeypatch):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the Triton backend on CPU tensors needs the interpreter (set without CUDA)")
     if backend == "triton":
-        build = Network.build_engine
-        monkeypatch.setattr(Network, "build_engine",
-                            lambda self, *a, **k: build(self, *a, **{**k, "backend": "triton"}))
+        build_with_triton_backend(monkeypatch)
     model, with_pass = _run(())
     _, without = _run(("L2Prefetch",))
     for got, want in zip(with_pass, without):

@@ -8,11 +8,11 @@ latency-bound stretch asks the memory system to bring the following weights into
 ``cp.async.bulk.prefetch.L2``: one instruction per chunk, executed by the copy engine, nothing
 returned to the SM), so the bandwidth-bound kernels after it read L2 instead of HBM.
 
-The kernel issues its chunks, lets the next kernel launch (PDL) and then waits for the previous
-one, so it keeps the contract of :mod:`tgraph.kernels.triton.pdl` (it reads only weights before
-the wait) and costs the chain of dependent launches no extra hop. A prefetch is a hint: off
-Hopper, under the Triton interpreter, or for a weight that is not contiguous, nothing is
-launched and the results are the same.
+A prefetch kernel lasts until its bytes have arrived (~7 us for 26 MB on an H100), so nothing in
+the step's chain of PDL launches may wait for it: :func:`prefetch_ahead` launches it on a side
+stream (:mod:`tgraph.kernels.side_streams`) that the step joins at its end. A prefetch is a
+hint: off Hopper, under the Triton interpreter, or for a weight that is not contiguous, nothing
+is launched and the results are the same.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-from tgraph.kernels.triton.pdl import pdl_enabled
 
 __all__ = ["prefetch_l2", "prefetch_ahead", "select_ahead", "prefetch_supported", "CHUNK_BYTES",
            "CHUNKS_PER_PROGRAM", "MAX_ROWS"]
@@ -56,8 +55,7 @@ def _prefetch_range(base, nbytes, chunk0, CHUNK: tl.constexpr, BLOCK: tl.constex
 
 @triton.jit
 def _prefetch_kernel(w0, n0, w1, n1, w2, n2, w3, n3, programs0, programs1, programs2,
-                     NUM: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                     PDL: tl.constexpr):
+                     NUM: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     # Programs are laid out weight after weight: [0, programs0) for w0, then w1, ...
     pid = tl.program_id(0)
     if pid < programs0:
@@ -68,9 +66,6 @@ def _prefetch_kernel(w0, n0, w1, n1, w2, n2, w3, n3, programs0, programs1, progr
         _prefetch_range(w2, n2, (pid - programs1) * BLOCK, CHUNK, BLOCK)
     elif NUM > 3:
         _prefetch_range(w3, n3, (pid - programs2) * BLOCK, CHUNK, BLOCK)
-    if PDL:  # the next kernel may launch now; it still waits for this one to complete
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,12 +89,10 @@ def _byte_view(w: torch.Tensor) -> torch.Tensor | None:
     return flat[skip:] if flat.numel() > skip else None
 
 
-def prefetch_l2(*weights: torch.Tensor, pdl: bool | None = None) -> int:
-    """Ask L2 to fetch ``weights`` (up to four tensors on one CUDA device); returns the programs
-    launched (0 where prefetching is unsupported, see the module docstring).
-
-    ``pdl``: launch as a PDL kernel of the decode chain (default: as the other kernels are);
-    False for a launch on a side stream.
+def prefetch_l2(*weights: torch.Tensor) -> int:
+    """Ask L2 to fetch ``weights`` (up to four tensors on one CUDA device) from a kernel on the
+    current stream; returns the programs launched (0 where prefetching is unsupported, see the
+    module docstring).
 
     The launch is asynchronous and nothing waits for the bytes: a later kernel that reads them
     finds them in L2, or in flight, or (if evicted meanwhile) in HBM.
@@ -127,11 +120,9 @@ def prefetch_l2(*weights: torch.Tensor, pdl: bool | None = None) -> int:
         v = views[min(i, len(views) - 1)]
         args += [v, v.numel() if i < len(views) else 0]
     bounds = (ends + [total] * _MAX_WEIGHTS)[:3]
-    pdl = pdl_enabled(weights[0]) if pdl is None else pdl and pdl_enabled(weights[0])
     with torch.cuda.device(device):
         _prefetch_kernel[(total,)](*args, *bounds, NUM=len(views), CHUNK=CHUNK_BYTES,
-                                   BLOCK=CHUNKS_PER_PROGRAM, PDL=pdl, num_warps=1,
-                                   **({"launch_pdl": True} if pdl else {}))
+                                   BLOCK=CHUNKS_PER_PROGRAM, num_warps=1)
     return total
 
 
@@ -180,5 +171,5 @@ def prefetch_ahead(x: torch.Tensor, weights: tuple[torch.Tensor, ...], halves: t
     from tgraph.kernels.side_streams import forked
 
     with forked(x.device):
-        prefetch_l2(*parts, pdl=False)
+        prefetch_l2(*parts)
     return sum(t.numel() * t.element_size() for t in parts)
