@@ -382,9 +382,10 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
         return _m1_config(N, K, gated, norm, sm_count(device))
     if gated or norm:
         # 16 rows with a fused norm or gate: swapped operands, 64 weight rows per program, no
-        # split (a split needs a pass over all of K for the norm, and the gated grid fills the
-        # GPU). Cold-weight sweep on an H100 (docs/bench/h100-gemv-tune-m16-fused.txt): q|k|v
-        # with the norm 8.4 us against 14.7 for 16-column blocks; gate|up with norm and SwiGLU
+        # split (the gated grid fills the GPU, and splitting q|k|v with the norm measured slower:
+        # Llama-3.2-1B 8.3 us against 8.9 / 10.3 / 9.4 with 2 / 3 / 4 splits, H100, 2026-11-25,
+        # tune_gemv --m 16 --fusion norm). Cold-weight sweep on an H100
+        # (docs/bench/h100-gemv-tune-m16-fused.txt): q|k|v with the norm 8.4 us against 14.7 for 16-column blocks; gate|up with norm and SwiGLU
         # 26.9 us against 37.5 (cuBLAS alone, without the norm and SwiGLU kernels: 7.5 and 27.1);
         # gate|up without the norm 25.7 us with 128-wide K tiles. Shared memory (227 KB) takes 4
         # stages of one 64 x 256 weight tile, 3 of two; without the norm the activations' tile is
