@@ -54,6 +54,15 @@ def test_prefetch_changes_no_result(backend, monkeypatch):
     assert {p.name: p.matches for p in decode.stats.passes}["L2Prefetch"] == HF["num_hidden_layers"]
 
 
+def test_prefetch_hints_are_counted_apart_from_the_step_kernels():
+    with_pass, _ = _run(())
+    without, _ = _run(("L2Prefetch",))
+    hinted, plain = (m.engines[(False, ())] for m in (with_pass, without))
+    assert hinted.stats.kernel_count == plain.stats.kernel_count
+    assert hinted.stats.hint_count == HF["num_hidden_layers"] and plain.stats.hint_count == 0
+    assert f"{hinted.stats.kernel_count} kernels (+3 prefetch hints)" in str(hinted)
+
+
 def test_one_prefetch_before_each_decode_attention_naming_o_gate_up_and_down():
     model, _ = _run(())
     decode = model.engines[(False, ())].net

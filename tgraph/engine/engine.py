@@ -15,7 +15,7 @@ from tgraph.engine.binding import (
     infer_concrete,
     input_specs,
 )
-from tgraph.engine.plan import LaunchPlan, is_pure_view, lower
+from tgraph.engine.plan import LaunchPlan, is_pure_view, is_side_hint, lower
 from tgraph.errors import CaptureError, EngineInputError, GraphError
 from tgraph.ir.network import Network
 from tgraph.ir.ops import get_op
@@ -44,11 +44,13 @@ class EngineStats:
     node_count: int
     segment_count: int
     capturable_segments: int
-    kernel_count: int  # launches: nodes that are not pure views
+    kernel_count: int  # the step's launches: nodes that are neither views nor side hints
     peak_intermediate_bytes: int | None
     naive_intermediate_bytes: int | None
     bindings: int
     passes: list[PassRecord] = field(default_factory=list)
+    # Views that may launch a hint on a side stream (L2 prefetches), not in kernel_count.
+    hint_count: int = 0
 
 
 @dataclass
@@ -722,16 +724,19 @@ class Engine:
             node_count=len(self.net.nodes),
             segment_count=len(self.segments),
             capturable_segments=sum(1 for s in self.segments if s.capturable),
-            kernel_count=sum(1 for st in self.plan.steps if not is_pure_view(st.node)),
+            kernel_count=sum(1 for st in self.plan.steps
+                             if not is_pure_view(st.node) and not is_side_hint(st.node)),
             peak_intermediate_bytes=memory.arena_bytes if memory else None,
             naive_intermediate_bytes=memory.naive_bytes if memory else None,
             bindings=len(self._bindings),
             passes=list(self.pass_records),
+            hint_count=sum(1 for st in self.plan.steps if is_side_hint(st.node)),
         )
 
     def __str__(self) -> str:
         s = self.stats
-        lines = [f'engine "{self.net.name}" ({self.backend}): {s.kernel_count} kernels, '
+        hints = f" (+{s.hint_count} prefetch hints)" if s.hint_count else ""
+        lines = [f'engine "{self.net.name}" ({self.backend}): {s.kernel_count} kernels{hints}, '
                  f"{s.segment_count} segments ({s.capturable_segments} capturable)"]
         if self.placement is not None:
             lines[0] += f", devices {', '.join(self.placement.devices)} " \

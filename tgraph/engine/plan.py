@@ -57,6 +57,13 @@ def _has_symbols(attrs: dict[str, Any]) -> bool:
     return isinstance(shape, tuple) and any(isinstance(d, str) for d in shape)
 
 
+def is_side_hint(node: Node) -> bool:
+    """A view whose op may also launch work on a side stream (an L2 prefetch hint): it computes
+    nothing of the step and the step's kernels never wait for it."""
+    op = get_op(node.op)
+    return op.launches and all(op.alias_input(i) is not None for i in range(len(node.outputs)))
+
+
 def is_pure_view(node: Node) -> bool:
     """Every output of the node aliases an input and the op launches nothing on the side: it
     needs no buffer and no kernel."""
