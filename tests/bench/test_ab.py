@@ -25,3 +25,24 @@ def test_override_is_applied_and_restored():
 def test_bad_overrides_are_refused(text, message):
     with pytest.raises(SystemExit, match=message):
         parse_override(text)
+
+
+@pytest.mark.gpu
+def test_captured_decode_leaves_the_measured_batch_in_the_staging_buffers():
+    """Replays timed right after captured_decode must read context CONTEXT, not the capture's
+    placeholder batch (kv_lens 0)."""
+    import torch
+
+    from tgraph.bench.models import CONTEXT, captured_decode, random_model, random_weights
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    hf = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
+              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024,
+              rms_norm_eps=1e-5, tie_word_embeddings=False)
+    model = random_model(hf, random_weights(hf, torch.bfloat16, "cuda"), max_model_len=1024)
+    meta = captured_decode(model, 2)
+    staging = list(model._graph_state()._staging.values())
+    assert len(staging) == 1 and staging[0].views["seq_len"].tolist() == [CONTEXT, CONTEXT]
+    assert meta.kv_lens == [CONTEXT, CONTEXT]

@@ -35,7 +35,6 @@ def main() -> None:
         return
     b = args.batch
     meta = captured_decode(model, b)
-    model.run(meta)
     engine = model.engines[(False, ())]
     graphs = engine.captured_graphs
 
