@@ -57,18 +57,21 @@ def _has_symbols(attrs: dict[str, Any]) -> bool:
     return isinstance(shape, tuple) and any(isinstance(d, str) for d in shape)
 
 
+def _outputs_alias_inputs(node: Node) -> bool:
+    op = get_op(node.op)
+    return all(op.alias_input(i) is not None for i in range(len(node.outputs)))
+
+
 def is_side_hint(node: Node) -> bool:
     """A view whose op may also launch work on a side stream (an L2 prefetch hint): it computes
     nothing of the step and the step's kernels never wait for it."""
-    op = get_op(node.op)
-    return op.launches and all(op.alias_input(i) is not None for i in range(len(node.outputs)))
+    return get_op(node.op).launches and _outputs_alias_inputs(node)
 
 
 def is_pure_view(node: Node) -> bool:
     """Every output of the node aliases an input and the op launches nothing on the side: it
     needs no buffer and no kernel."""
-    op = get_op(node.op)
-    return not op.launches and all(op.alias_input(i) is not None for i in range(len(node.outputs)))
+    return not get_op(node.op).launches and _outputs_alias_inputs(node)
 
 
 def on_device(kernel: Kernel, device: torch.device) -> Kernel:
