@@ -28,7 +28,7 @@ def test_bad_overrides_are_refused(text, message):
 
 
 @pytest.mark.gpu
-def test_captured_decode_leaves_the_measured_batch_in_the_staging_buffers():
+def test_captured_decode_stages_the_measured_batch_and_exposes_its_graphs():
     """Replays timed right after captured_decode must read context CONTEXT, not the capture's
     placeholder batch (kv_lens 0)."""
     import torch
@@ -46,3 +46,9 @@ def test_captured_decode_leaves_the_measured_batch_in_the_staging_buffers():
     staging = list(model._graph_state()._staging.values())
     assert len(staging) == 1 and staging[0].views["seq_len"].tolist() == [CONTEXT, CONTEXT]
     assert meta.kv_lens == [CONTEXT, CONTEXT]
+    # The bench times the captured bucket's graphs alone; other buckets have none.
+    graphs = model.decode_graphs(2)
+    assert graphs and all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs)
+    assert model.decode_graphs(1) == []
+    model.release_graphs()
+    assert model.decode_graphs(2) == []

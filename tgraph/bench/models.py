@@ -40,6 +40,7 @@ class PresetResult:
     bound_ms: float
     decode_ms: dict = field(default_factory=dict)       # system -> {batch: ms}
     host_overhead_ms: dict = field(default_factory=dict)  # batch -> ms of CPU per step
+    replay_ms: dict = field(default_factory=dict)        # batch -> ms per replay of the graphs
     prefill_ms: dict = field(default_factory=dict)      # "1x2048" -> ms
     build_s: dict = field(default_factory=dict)         # cold / warm -> s
     skipped: dict = field(default_factory=dict)         # system -> reason
@@ -125,6 +126,12 @@ def bench_tgraph(model, batches: list[int], result: PresetResult, label: str) ->
         result.decode_ms[label][b] = time_ms(lambda: model.run(meta), warmup=3, iters=iters)
         if graphs:
             result.host_overhead_ms[b] = host_ms(lambda: model.run(meta))
+            # The GPU's part alone: the step's graphs replayed back to back on the inputs the
+            # runs above staged (no input copy, no logits copy, no host work in between).
+            decode_graphs = model.decode_graphs(b)
+            if decode_graphs:
+                result.replay_ms[b] = time_ms(lambda: [g.replay() for g in decode_graphs],
+                                              warmup=3, iters=100)
     if graphs:
         for n, length in ((1, 2048), (8, 512)):
             meta = prefill_batch(n, length, c.block_size)
@@ -238,7 +245,7 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings) 
 def print_table(results: list[PresetResult]) -> None:
     print(f"\n{'preset':<14} {'batch':>5} {'bound ms':>9} " + " ".join(
         f"{s:>15}" for s in SYSTEMS)
-        + f" {'x bound':>8} {'vs HF':>7} {'vs compile':>10} {'host ms':>8}")
+        + f" {'x bound':>8} {'vs HF':>7} {'vs compile':>10} {'host ms':>8} {'replay ms':>9}")
     for r in results:
         for b in sorted(r.decode_ms.get("tgraph static", {}) or {1: None}):
             row = [r.decode_ms.get(s, {}).get(b) for s in SYSTEMS]
@@ -248,9 +255,10 @@ def print_table(results: list[PresetResult]) -> None:
             ratio = f"{ours / bound:8.2f}" if ours else f"{'-':>8}"
             vs_hf = f"{row[3] / ours:6.1f}x" if ours and row[3] else f"{'-':>7}"
             vs_c = f"{row[4] / ours:9.2f}x" if ours and row[4] else f"{'-':>10}"
-            host = r.host_overhead_ms.get(b)
+            host, replay = r.host_overhead_ms.get(b), r.replay_ms.get(b)
             print(f"{r.preset:<14} {b:>5} {bound:9.3f} {cells} {ratio} {vs_hf} {vs_c} "
-                  f"{host if host is None else round(host, 3)!s:>8}")
+                  f"{host if host is None else round(host, 3)!s:>8} "
+                  f"{'-' if replay is None else f'{replay:.3f}':>9}")
         if r.prefill_ms:
             print("  prefill: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.prefill_ms.items()))
         print(f"  build: {r.build_s}")

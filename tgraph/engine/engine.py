@@ -633,6 +633,13 @@ class Engine:
         """The CUDA graphs of every captured signature (for profiling their replay alone)."""
         return [g for capture in self._captures.values() for g in capture.graphs if g is not None]
 
+    def graphs_of(self, handle: "CaptureHandle") -> list[torch.cuda.CUDAGraph]:
+        """The CUDA graphs of one live capture (its segments' graphs, without the input copy)."""
+        if not self.is_captured(handle):
+            raise CaptureError(f"engine {self.net.name!r}: this capture was released "
+                               "(release_captures, set_weights or to); capture again")
+        return [g for g in handle.capture.graphs if g is not None]
+
     def release_captures(self) -> None:
         """Drop every captured CUDA graph; the next ``forward`` of a signature runs uncaptured
         until ``capture`` is called again. Needed before the memory or the process group the

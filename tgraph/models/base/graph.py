@@ -90,6 +90,13 @@ class GraphModel:
         buckets captured."""
         return self._graph_state().capture_decode(buckets)
 
+    def decode_graphs(self, num_seqs: int) -> list[torch.cuda.CUDAGraph]:
+        """The captured CUDA graphs that run a base decode step of ``num_seqs`` sequences (its
+        batch bucket's), or ``[]`` when that bucket is not captured. For timing the GPU's part
+        of a step alone: a replay reads the step inputs the latest :meth:`run` of that bucket
+        staged (the capture's placeholder batch before any run)."""
+        return self._graph_state().decode_graphs(num_seqs)
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if len(args) == 1 and not kwargs and isinstance(args[0], BatchMeta):
             return self.run(args[0])
@@ -432,6 +439,13 @@ class GraphState:
         (directory / f"{stem}.json").write_text(json.dumps(index, indent=1))
         self._dumped.add(key)
         logger.info("dumped %d intermediates of %s to %s", len(values), engine.net.name, directory)
+
+    def decode_graphs(self, num_seqs: int) -> list[torch.cuda.CUDAGraph]:
+        bucket = self._bucket(num_seqs) if self._can_capture() else None
+        handle = self.captured.get(((False, ()), bucket)) if bucket is not None else None
+        if handle is None:
+            return []
+        return self.engines[(False, ())].graphs_of(handle)
 
     def capture_decode(self, buckets: Sequence[int] | None) -> list[int]:
         """Capture the base decode engine for ``buckets`` (largest first) ahead of time; other
