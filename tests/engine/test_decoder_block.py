@@ -308,9 +308,12 @@ def test_cuda_graph_inputs_held_by_reference():
     partial = net.build_engine()
     with pytest.raises(CaptureError, match="every input held"):
         partial.replay(partial.capture(held, by_reference=["hidden"]))
+    assert engine.graphs_of(handle) and len(engine.graphs_of(handle)) <= len(engine.captured_graphs)
     engine.release_captures()
     with pytest.raises(CaptureError, match="released"):
         engine.replay(handle)
+    with pytest.raises(CaptureError, match="released"):
+        engine.graphs_of(handle)
 
 
 @pytest.mark.gpu

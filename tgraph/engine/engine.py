@@ -573,14 +573,17 @@ class Engine:
         Raises:
             CaptureError: if the capture was released since, or holds some input by copy.
         """
-        if not self.is_captured(handle):
-            raise CaptureError(f"engine {self.net.name!r}: this capture was released "
-                               "(release_captures, set_weights or to); capture again")
+        self._check_live(handle)
         capture = handle.capture
         if not capture.all_held:
             raise CaptureError("replay() needs every input held by reference; use forward()")
         self._replay(capture)
         return self._collect(capture.plan, capture.slots, None)
+
+    def _check_live(self, handle: "CaptureHandle") -> None:
+        if not self.is_captured(handle):
+            raise CaptureError(f"engine {self.net.name!r}: this capture was released "
+                               "(release_captures, set_weights or to); capture again")
 
     def is_captured(self, handle: "CaptureHandle") -> bool:
         """Whether ``handle``'s capture is still live (not released or replaced since)."""
@@ -635,9 +638,7 @@ class Engine:
 
     def graphs_of(self, handle: "CaptureHandle") -> list[torch.cuda.CUDAGraph]:
         """The CUDA graphs of one live capture (its segments' graphs, without the input copy)."""
-        if not self.is_captured(handle):
-            raise CaptureError(f"engine {self.net.name!r}: this capture was released "
-                               "(release_captures, set_weights or to); capture again")
+        self._check_live(handle)
         return [g for g in handle.capture.graphs if g is not None]
 
     def release_captures(self) -> None:
