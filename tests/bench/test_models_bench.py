@@ -2,6 +2,7 @@
 GPU side is in test_ab.py)."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tgraph.bench.models import PresetResult, print_table, random_weights
@@ -34,3 +35,6 @@ def test_decode_graphs_are_empty_where_nothing_is_captured():
     model.allocate_kv_cache(8)
     assert model.capture_decode_graphs([1]) == []  # no CUDA graphs on the CPU
     assert model.decode_graphs(1) == []
+    for bad in (0, -2, 1.5, True):
+        with pytest.raises(ValueError, match="positive int"):
+            model.decode_graphs(bad)

@@ -441,6 +441,8 @@ class GraphState:
         logger.info("dumped %d intermediates of %s to %s", len(values), engine.net.name, directory)
 
     def decode_graphs(self, num_seqs: int) -> list[torch.cuda.CUDAGraph]:
+        if isinstance(num_seqs, bool) or not isinstance(num_seqs, int) or num_seqs < 1:
+            raise ValueError(f"decode_graphs: num_seqs must be a positive int, got {num_seqs!r}")
         bucket = self._bucket(num_seqs) if self._can_capture() else None
         handle = self.captured.get(((False, ()), bucket)) if bucket is not None else None
         if handle is None:
