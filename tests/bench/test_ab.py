@@ -50,5 +50,7 @@ def test_captured_decode_stages_the_measured_batch_and_exposes_its_graphs():
     graphs = model.decode_graphs(2)
     assert graphs and all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs)
     assert model.decode_graphs(1) == []
+    model.engines[(False, ())].release_captures()  # the model's handle goes stale
+    assert model.decode_graphs(2) == []
     model.release_graphs()
     assert model.decode_graphs(2) == []

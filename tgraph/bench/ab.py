@@ -81,7 +81,7 @@ def main() -> None:
     for _ in range(args.rounds):
         for label, model in variants.items():
             engine = model.engines[(False, ())]
-            graphs = engine.captured_graphs
+            graphs = model.decode_graphs(b)
             replay = time_ms(lambda: [g.replay() for g in graphs], iters=100)
             step = time_ms(lambda: model.run(meta), iters=100)
             print(f"  {label:48s} replay {replay:.3f}  model.run {step:.3f}  "

@@ -36,7 +36,7 @@ def main() -> None:
     b = args.batch
     meta = captured_decode(model, b)
     engine = model.engines[(False, ())]
-    graphs = engine.captured_graphs
+    graphs = model.decode_graphs(b)
 
     def replay():
         for g in graphs:

@@ -445,9 +445,10 @@ class GraphState:
             raise ValueError(f"decode_graphs: num_seqs must be a positive int, got {num_seqs!r}")
         bucket = self._bucket(num_seqs) if self._can_capture() else None
         handle = self.captured.get(((False, ()), bucket)) if bucket is not None else None
-        if handle is None:
-            return []
-        return self.engines[(False, ())].graphs_of(handle)
+        engine = self.engines.get((False, ()))
+        if handle is None or engine is None or not engine.is_captured(handle):
+            return []  # never captured, or released since (set_weights, to)
+        return engine.graphs_of(handle)
 
     def capture_decode(self, buckets: Sequence[int] | None) -> list[int]:
         """Capture the base decode engine for ``buckets`` (largest first) ahead of time; other
