@@ -21,3 +21,35 @@ def test_prefill_batch_puts_each_prompt_in_its_own_blocks():
     assert meta.positions == [0, 1, 2, 3, 4] * 2
     # Token p of prompt i sits at slot block_tables[i][p // 4] * 4 + p % 4.
     assert meta.slots == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]
+
+
+def test_profiled_step_runs_exactly_one_step_inside_the_profiler_range(monkeypatch):
+    import torch
+
+    from tgraph.bench.profile import profiled_step
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: events.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: events.append("stop"))
+    profiled_step(lambda: events.append("step"), warmup=2)
+    assert events == ["step", "step", "start", "step", "stop"]
+
+
+def test_profiled_step_stops_the_profiler_when_the_step_fails(monkeypatch):
+    import torch
+
+    from tgraph.bench.profile import profiled_step
+
+    events = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda.profiler, "start", lambda: events.append("start"))
+    monkeypatch.setattr(torch.cuda.profiler, "stop", lambda: events.append("stop"))
+
+    def step():
+        if "start" in events:
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        profiled_step(step, warmup=1)
+    assert events == ["start", "stop"]

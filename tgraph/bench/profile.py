@@ -3,7 +3,9 @@
 Prints the device time of the captured step alone (graph replays), the time of the whole
 ``model.run`` (input preparation included), and the CUDA kernels by total time (torch profiler).
 ``--prefill NxL`` profiles a prefill of N prompts of L tokens instead: its time, the host time
-of the call, and the CPU and CUDA profiles.
+of the call, and the CPU and CUDA profiles. ``--ncu`` runs one captured decode step between
+``cudaProfilerStart`` and ``cudaProfilerStop`` and nothing else, for Nsight Compute's
+``--profile-from-start off`` (see :mod:`tgraph.bench.ncu_table` for the command and a summary).
 """
 from __future__ import annotations
 
@@ -24,6 +26,8 @@ def main() -> None:
     parser.add_argument("--trace", help="write a Chrome trace")
     parser.add_argument("--timeline", action="store_true",
                         help="also print the replayed step kernel by kernel (tgraph.bench.timeline)")
+    parser.add_argument("--ncu", action="store_true",
+                        help="run one decode step inside cudaProfilerStart/Stop for ncu, no timing")
     parser.add_argument("--prefill", metavar="NxL",
                         help="profile a prefill of N prompts of L tokens instead of a decode step")
     args = parser.parse_args()
@@ -35,6 +39,10 @@ def main() -> None:
         return
     b = args.batch
     meta = captured_decode(model, b)
+    if args.ncu:
+        profiled_step(lambda: model.run(meta))
+        print(f"{args.preset} batch {b}: one decode step ran inside cudaProfilerStart/Stop")
+        return
     engine = model.engines[(False, ())]
     graphs = model.decode_graphs(b)
 
@@ -51,6 +59,20 @@ def main() -> None:
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     if args.timeline:
         print_timeline(profile_step(replay), limit=None)
+
+
+def profiled_step(step, warmup: int = 3) -> None:
+    """Run ``step`` ``warmup`` times, then once between ``cudaProfilerStart`` and ``Stop``: the
+    only kernels a profiler started with ``--profile-from-start off`` sees are that step's."""
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.profiler.start()
+    try:
+        step()
+        torch.cuda.synchronize()
+    finally:
+        torch.cuda.profiler.stop()
 
 
 def profile_prefill(model, name: str, shape: str, trace: str | None) -> None:
