@@ -8,11 +8,13 @@ that: each program owns a ``BLOCK_N`` slice of output columns (``BLOCK_N`` conti
 is read exactly once whatever M is.
 
 When ``N / BLOCK_N`` programs would not fill the GPU, K is split over ``split_k`` programs per column
-block. NOTE: the split is deterministic and two-phase: phase 1 writes fp32 partial sums into a
-``[split_k, M, N]`` workspace, phase 2 sums the partials in a fixed order and applies the epilogue
-(bias, residual, cast). It costs one extra small launch, but needs no zeroing of the workspace and no
-atomics, gives bit-identical results run to run, and both launches take their grids from shapes
-only, so the pair is CUDA-graph capturable (pass a preallocated ``workspace`` of
+block. NOTE: the split is deterministic: every split writes its fp32 partial sums into a
+``[split_k, M, N]`` workspace, and the partials are summed in split order before the epilogue
+(bias, residual, cast), by whichever split of an output tile finishes last (its ticket from a
+per-tile arrival counter, :func:`arrival_counters`, which the launch leaves zeroed) or, with the
+fused norm or swapped operands (see ``SPLIT_K_FIXUP``), by a second, reduce launch. Either way the
+bits are the same run to run and between the two, no float atomics are used, and the grids follow
+from shapes only, so the launches are CUDA-graph capturable (pass a preallocated ``workspace`` of
 :func:`workspace_size` fp32 elements to keep allocation out of the captured region).
 
 Decode fusions (constexpr switches, so a plain linear compiles to the same code as before):
@@ -48,7 +50,7 @@ import triton.language as tl
 from tgraph.kernels.triton.device_info import sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
-__all__ = ["small_m_linear", "choose_config", "prefer_small_m", "workspace_size"]
+__all__ = ["small_m_linear", "choose_config", "prefer_small_m", "workspace_size", "arrival_counters"]
 
 _MAX_SPLIT_K = 16
 # Largest M bucket; larger M adds programs along grid axis 2 (weight re-read per 32 rows).
@@ -84,6 +86,14 @@ _M16_FUSED_BLOCK_K = 256
 # Narrowest output block of a 16-row program that swaps the MMA operands (SWAP_AB); narrower
 # blocks keep the activations as the MMA's M side.
 _SWAP_MIN_BLOCK_N = 64
+# Split K in one launch: the last split of each output tile sums the partials (_fixup_tile) instead
+# of a second, reduce launch. Not with the fused norm, whose 1 / rms needs every split's sums of
+# squares, and not with swapped operands (the long-K down projections): both keep the reduce
+# launch. NOTE: same-process A/Bs on an H100 (2026-11-25, tgraph.bench.ab, ms per replay, rounds
+# 1-3, with / without): Qwen2.5-0.5B batch 16 (o and down in 16-column blocks, 2-3 splits)
+# 1.008 / 0.985 / 0.987 against 1.011 / 1.013 / 1.011; Llama-3.2-1B batch 16 (down swapped, 4
+# splits) 1.287 / 1.276 / 1.271 against 1.268 / 1.269 / 1.268.
+SPLIT_K_FIXUP = True
 # Launch configurations by shape that replace the heuristic's: (BLOCK_M bucket, N, K, gated, norm)
 # -> (BLOCK_N, BLOCK_K, split_k, num_warps, num_stages), each measured in whole decode steps
 # (tgraph.bench.ab can set this table, e.g.
@@ -160,13 +170,14 @@ def _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
 
 @triton.jit
 def _small_m_linear_kernel(
-    x_ptr, w_ptr, g_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr,
+    x_ptr, w_ptr, g_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, k_per_split, gate_rows, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     NORM: tl.constexpr, HAS_G: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
+    FIXUP: tl.constexpr = False,
 ):
     """Output columns ``[pid_n * BLOCK_N, +BLOCK_N)`` of ``BLOCK_M`` rows over one K split.
 
@@ -176,6 +187,8 @@ def _small_m_linear_kernel(
     width]`` partials, for the reduce to apply ``1 / rms``.
     ``GATED``: the program also computes the same columns of the "up" half (weight rows
     ``gate_rows + n``) and the output is ``silu(gate) * up`` (N counts the output columns).
+    ``FIXUP`` (with ``WRITE_PARTIAL``, without ``NORM``): the split that finishes last for its
+    output tile sums the tile's partials and writes ``out`` (see :func:`_fixup_tile`).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -232,6 +245,10 @@ def _small_m_linear_kernel(
             if pid_n == 0:
                 sq_ptrs = ws_ptr + tl.num_programs(1) * M * width + pid_k * M + offs_m
                 tl.store(sq_ptrs, sq, mask=mask_m)
+        if FIXUP:
+            _fixup_tile(ws_ptr, count_ptr, bias_ptr, res_ptr, out_ptr, M, N, gate_rows,
+                        stride_rm, stride_om, offs_m, offs_n, mask_n, mask_mn,
+                        HAS_BIAS, HAS_RES, GATED, BLOCK_M, BLOCK_N)
     else:
         if NORM:
             rstd = tl.math.rsqrt(sq / K + eps)
@@ -241,6 +258,38 @@ def _small_m_linear_kernel(
                         stride_rm, HAS_BIAS, HAS_RES, GATED)
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_mn)
+
+
+@triton.jit
+def _fixup_tile(ws_ptr, count_ptr, bias_ptr, res_ptr, out_ptr, M, N, gate_rows, stride_rm,
+                stride_om, offs_m, offs_n, mask_n, mask_mn,
+                HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split-K without a second launch: after its partial is stored, a split takes a ticket from
+    its output tile's arrival counter; the split that arrives last sums the tile's partials in
+    split order (the order, and so the bits, of :func:`_split_k_reduce_kernel`), applies the
+    epilogue, writes ``out`` and puts the counter back to 0 for the next launch."""
+    splits = tl.num_programs(1)
+    tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
+    # Every thread's partial is stored before the ticket is taken; the release orders them
+    # before the increment, the last split's acquire orders its reads after all of them.
+    tl.debug_barrier()
+    ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
+    if ticket == splits - 1:
+        width = 2 * N if GATED else N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for s in range(0, splits):
+            part = ws_ptr + (s * M + offs_m.to(tl.int64))[:, None] * width + offs_n[None, :]
+            # .cg: read at L2, where the other splits' stores are, never a stale L1 line.
+            acc += tl.load(part, mask=mask_mn, other=0.0, cache_modifier=".cg")
+            if GATED:
+                acc_u += tl.load(part + N, mask=mask_mn, other=0.0, cache_modifier=".cg")
+        out = _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_mn,
+                        gate_rows, stride_rm, HAS_BIAS, HAS_RES, GATED)
+        out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask_mn)
+        tl.store(count_ptr + tile, 0)
 
 
 @triton.jit
@@ -293,6 +342,29 @@ def _split_k_reduce_kernel(
                     gate_rows, stride_rm, HAS_BIAS, HAS_RES, GATED)
     tl.store(out_ptr + m * stride_om + offs_n[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask_n[None, :])
+
+
+# Arrival counters of the one-launch split-K, by (device, output address): see arrival_counters.
+_COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
+_RETIRED_COUNTERS: list[torch.Tensor] = []
+
+
+def arrival_counters(out: torch.Tensor, tiles: int) -> torch.Tensor:
+    """Zeroed int32 arrival counters, at least ``tiles`` of them, for a split-K launch writing
+    ``out``; every launch leaves them zeroed.
+
+    NOTE: keyed by ``out``'s address: two launches that could run at the same time on different
+    streams write different outputs (the same output would be a race already), so they never
+    share a counter, while the launches of one stream reuse theirs. A buffer outgrown by a larger
+    grid stays allocated: a captured CUDA graph may still point at it.
+    """
+    key = (out.device.index if out.device.index is not None else -1, out.data_ptr())
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < tiles:
+        if counters is not None:
+            _RETIRED_COUNTERS.append(counters)
+        counters = _COUNTERS[key] = torch.zeros(max(tiles, 64), dtype=torch.int32, device=out.device)
+    return counters
 
 
 def _use_f32_dot(dtype: torch.dtype) -> bool:
@@ -595,7 +667,7 @@ def small_m_linear(
     if split == 1:
         _small_m_linear_kernel[(triton.cdiv(N, block_n), 1, grid_m)](
             x, weight, g, bias if bias is not None else dummy, residual if residual is not None else dummy,
-            out, dummy,
+            out, dummy, dummy,
             M, N, K, k_per_split, N, eps,
             x.stride(0), weight.stride(0), res_stride, out.stride(0),
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_PARTIAL=False, **common,
@@ -612,8 +684,21 @@ def small_m_linear(
             raise ValueError(f"small_m_linear: workspace must be contiguous with >= {need} elements "
                              f"(split_k={split}, M={M}, N={N}), got {workspace.numel()} elements")
 
-    _small_m_linear_kernel[(triton.cdiv(N, block_n), split, grid_m)](
-        x, weight, g, dummy, dummy, dummy, workspace,
+    grid = (triton.cdiv(N, block_n), split, grid_m)
+    if SPLIT_K_FIXUP and norm_eps is None and not common["SWAP_AB"]:
+        # One launch: the last split of each output tile reduces it (see _fixup_tile).
+        _small_m_linear_kernel[grid](
+            x, weight, g, bias if bias is not None else dummy,
+            residual if residual is not None else dummy, out, workspace,
+            arrival_counters(out, grid[0] * grid_m),
+            M, N, K, k_per_split, N, eps,
+            x.stride(0), weight.stride(0), res_stride, out.stride(0),
+            HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_PARTIAL=True,
+            FIXUP=True, **common,
+        )
+        return out
+    _small_m_linear_kernel[grid](
+        x, weight, g, dummy, dummy, dummy, workspace, dummy,
         M, N, K, k_per_split, N, eps,
         x.stride(0), weight.stride(0), 0, out.stride(0),
         HAS_BIAS=False, HAS_RES=False, WRITE_PARTIAL=True, **common,
