@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from graph_timing import replay_ms
+
 CHUNK = 256
 
 
@@ -46,31 +48,6 @@ def _chain(buf, w, ticket, done, G, W_ELEMS: tl.constexpr, CHUNK: tl.constexpr, 
     tl.atomic_add(done + s, 1, sem="release", scope="gpu")
 
 
-def time_graph(fn, iters=200):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(10):
-        g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / iters)
-    return sorted(times)[2]
-
-
 def main():
     N = 48
     for G, W in ((32, 0), (14, 0), (224, 0), (224, 4096), (2432, 0), (2432, 4096), (304, 16384)):
@@ -95,9 +72,9 @@ def main():
             _chain[(N * G,)](big, w, counters[N:], counters, G, W_ELEMS=W, CHUNK=CHUNK,
                              STRIDE=G * CHUNK, num_warps=warps)
 
-        t_plain = time_graph(pdl_chain(False)) * 1e3 / N
-        t_pdl = time_graph(pdl_chain(True)) * 1e3 / N
-        t_chain = time_graph(chain) * 1e3 / N
+        t_plain = replay_ms(pdl_chain(False), 200) * 1e3 / N
+        t_pdl = replay_ms(pdl_chain(True), 200) * 1e3 / N
+        t_chain = replay_ms(chain, 200) * 1e3 / N
         # check the chain's result equals the launches' result
         pdl_chain(True)()
         chain()

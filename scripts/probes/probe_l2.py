@@ -6,6 +6,8 @@ import triton
 import triton.language as tl
 from tgraph.kernels.triton.gemv import small_m_linear
 
+from graph_timing import replay_ms
+
 N_STEPS = 40
 
 
@@ -17,30 +19,6 @@ def _stream(w, out, n_per_prog, BLOCK: tl.constexpr):
     for i in range(0, n_per_prog, BLOCK):
         acc += tl.load(base + i + tl.arange(0, BLOCK)).to(tl.float32)
     tl.store(out + pid, tl.sum(acc, 0))
-
-
-def graph_ms(fn, iters=50):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / iters)
-    return sorted(ts)[2]
 
 
 def main():
@@ -63,8 +41,8 @@ def main():
                     small_m_linear(x, ws[0] if hot else ws[i], out, gated=gated, **kw)
             return f
         mb = rows * K * 2 / 1e6
-        cold = graph_ms(run(False)) * 1e3 / N_STEPS
-        hot = graph_ms(run(True)) * 1e3 / N_STEPS
+        cold = replay_ms(run(False)) * 1e3 / N_STEPS
+        hot = replay_ms(run(True)) * 1e3 / N_STEPS
         print(f"{name:14s} {mb:6.1f} MB  cold {cold:6.2f} us ({mb / cold:5.2f} TB/s)  "
               f"L2-hot {hot:6.2f} us ({mb / hot:5.2f} TB/s)", flush=True)
         del ws
@@ -81,8 +59,8 @@ def main():
                 for i in range(N_STEPS):
                     _stream[(progs,)](bufs[0] if hot else bufs[i], out, per, BLOCK=blk, num_warps=4)
             return f
-        cold = graph_ms(runs(False)) * 1e3 / N_STEPS
-        hot = graph_ms(runs(True)) * 1e3 / N_STEPS
+        cold = replay_ms(runs(False)) * 1e3 / N_STEPS
+        hot = replay_ms(runs(True)) * 1e3 / N_STEPS
         mb = n * 2 / 1e6
         print(f"stream read {progs} progs {mb:5.1f} MB  cold {cold:6.2f} us ({mb / cold:5.2f} TB/s)  "
               f"L2-hot {hot:6.2f} us ({mb / hot:5.2f} TB/s)", flush=True)

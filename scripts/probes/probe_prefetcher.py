@@ -11,6 +11,8 @@ from tgraph.kernels.triton.gemv import small_m_linear
 from tgraph.kernels.triton.prefetch import prefetch_ahead
 from tgraph.kernels.side_streams import join_forked
 
+from graph_timing import replay_ms
+
 NL = 24
 CHUNK = 16384
 
@@ -85,29 +87,8 @@ def _prefetcher(table, flag, NL, NW: tl.constexpr, P, max_polls, CHUNK: tl.const
                     "=r,l,r", [addr + off, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
-def graph_ms(fn, iters=30):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(5):
-        g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(iters):
-            g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / iters)
-    return sorted(ts)[2] * 1e3
+def graph_us(fn):
+    return replay_ms(fn, 30) * 1e3
 
 
 def main():
@@ -150,15 +131,15 @@ def main():
         main_s.wait_stream(side)
 
     res = {
-        "spin only": graph_ms(lambda: layers(spin_only=True)),
-        "no prefetch": graph_ms(lambda: layers()),
-        "per-layer forked prefetch": graph_ms(lambda: layers(per_layer_prefetch=True)),
-        "persistent flag prefetcher": graph_ms(persistent),
-        "hot (same weights every layer)": graph_ms(lambda: layers(hot=True)),
-        "spin(132 progs)+prefetch.global.L2": graph_ms(lambda: layers(inline=1)),
-        "spin(132 progs)+bulk prefetch": graph_ms(lambda: layers(inline=2)),
-        "spin(132 progs)+line prefetch, spin only": graph_ms(lambda: layers(inline=1, spin_only=True)),
-        "spin(132 progs)+bulk prefetch, spin only": graph_ms(lambda: layers(inline=2, spin_only=True)),
+        "spin only": graph_us(lambda: layers(spin_only=True)),
+        "no prefetch": graph_us(lambda: layers()),
+        "per-layer forked prefetch": graph_us(lambda: layers(per_layer_prefetch=True)),
+        "persistent flag prefetcher": graph_us(persistent),
+        "hot (same weights every layer)": graph_us(lambda: layers(hot=True)),
+        "spin(132 progs)+prefetch.global.L2": graph_us(lambda: layers(inline=1)),
+        "spin(132 progs)+bulk prefetch": graph_us(lambda: layers(inline=2)),
+        "spin(132 progs)+line prefetch, spin only": graph_us(lambda: layers(inline=1, spin_only=True)),
+        "spin(132 progs)+bulk prefetch, spin only": graph_us(lambda: layers(inline=2, spin_only=True)),
     }
     spin = res["spin only"]
     print(f"H={H} I={I} P={P}: us per layer (MLP part = minus the spin-only chain)")
