@@ -147,3 +147,27 @@ def test_bf16_parity_at_llama_1b_widths(name, graph, tmp_path):
     ends = torch.tensor(PROMPT_LENGTHS).cumsum(0) - 1 + torch.arange(len(PROMPT_LENGTHS)) * \
         DECODE_STEPS
     assert s["near"][ends].all(), report(name, s)
+
+
+QWEN_05B_WIDTHS: dict[str, Any] = dict(
+    vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=4,
+    num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768,
+    rms_norm_eps=1e-6, rope_theta=1000000.0, initializer_range=0.02, tie_word_embeddings=True,
+)
+
+
+def test_bf16_parity_at_qwen_0_5b_widths_with_one_launch_split_k(tmp_path, monkeypatch):
+    # At hidden size 896 the 16-row o and down projections of the 6-sequence decode split K in
+    # one launch (the last split of each output tile reduces it), inside the captured graphs.
+    from tgraph.kernels.triton import gemv
+
+    calls = []
+    real = gemv.arrival_counters
+    monkeypatch.setattr(gemv, "arrival_counters",
+                        lambda out, tiles: calls.append(tiles) or real(out, tiles))
+    s = parity("qwen2", {}, tmp_path, widths=QWEN_05B_WIDTHS)
+    print("\n" + report("qwen2 at Qwen2.5-0.5B widths (static)", s))
+    assert calls, "no split-K linear ran in one launch"
+    assert s["buckets"], "no decode CUDA graph was captured"
+    assert s["kl"].mean() < KL_MEAN_MAX and s["kl"].max() < KL_MAX, report("qwen2 0.5b", s)
+    assert s["near"].float().mean() >= TOP1_MIN, report("qwen2 0.5b", s)
