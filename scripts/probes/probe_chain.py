@@ -12,14 +12,19 @@ CHUNK = 256
 
 
 @triton.jit
+def _weight_slice_sum(w, index, W_ELEMS: tl.constexpr):
+    """The work item's weight slice (read before any wait, as a GEMV reads its first tile)."""
+    if W_ELEMS > 0:
+        wv = tl.load(w + index.to(tl.int64) * W_ELEMS + tl.arange(0, W_ELEMS))
+        return tl.sum(wv.to(tl.float32), axis=0)
+    return 0.0
+
+
+@triton.jit
 def _pdl_step(src, dst, w, W_ELEMS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
     pid = tl.program_id(0)
     offs = tl.arange(0, CHUNK)
-    if W_ELEMS > 0:
-        wv = tl.load(w + pid.to(tl.int64) * W_ELEMS + tl.arange(0, W_ELEMS))
-        extra = tl.sum(wv.to(tl.float32), axis=0)
-    else:
-        extra = 0.0
+    extra = _weight_slice_sum(w, pid, W_ELEMS)
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -33,11 +38,7 @@ def _chain(buf, w, ticket, done, G, W_ELEMS: tl.constexpr, CHUNK: tl.constexpr, 
     s = role // G
     j = role % G
     offs = tl.arange(0, CHUNK)
-    if W_ELEMS > 0:
-        wv = tl.load(w + role.to(tl.int64) * W_ELEMS + tl.arange(0, W_ELEMS))
-        extra = tl.sum(wv.to(tl.float32), axis=0)
-    else:
-        extra = 0.0
+    extra = _weight_slice_sum(w, role, W_ELEMS)
     if s > 0:
         c = tl.atomic_add(done + s - 1, 0, sem="acquire", scope="gpu")
         while c < G:
