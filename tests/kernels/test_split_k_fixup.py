@@ -82,14 +82,6 @@ def test_out_may_alias_the_residual(monkeypatch):
     assert torch.equal(r, expected)
 
 
-def test_the_fused_norm_keeps_the_reduce_launch(monkeypatch):
-    # 1 / rms needs every split's sums of squares, which only the reduce launch has.
-    x, w, _, _ = _operands(2, 24, 4096, torch.float32, gated=False)
-    g = torch.ones(4096, device=DEV)
-    _, reduces = _linear(monkeypatch, True, x, w, 24, 4, norm_eps=1e-5, norm_weight=g)
-    assert reduces == 1
-
-
 def test_swapped_operands_keep_the_reduce_launch(monkeypatch):
     # 64-row blocks at 16 rows swap the MMA operands; there the reduce launch measured faster.
     x, w, b, _ = _operands(16, 64, 4096, torch.float32, gated=False)
@@ -110,18 +102,48 @@ def test_counters_grow_and_keep_the_outgrown_buffer_alive():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
-def test_one_launch_split_k_is_bit_identical_on_the_gpu(monkeypatch):
+@pytest.mark.parametrize("case", ["plain", "norm swapped"])
+def test_one_launch_split_k_is_bit_identical_on_the_gpu(monkeypatch, case):
     # The real ticket race: many splits and tiles, arrival order left to the hardware.
-    M, N, K = 16, 2048, 8192
+    if case == "plain":  # 128 column blocks x 8 splits, operands not swapped
+        M, N, K, config, kw = 16, 2048, 8192, (16, 256, 8, 4, 4), {}
+    else:  # Llama-3.2-1B's q|k|v at batch 16: 48 swapped 64-row blocks x 3 splits, the norm
+        M, N, K, config = 16, 3072, 2048, (64, 256, 3, 4, 4)
+        g = torch.rand(K, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEV)
+        kw = dict(norm_eps=1e-5, norm_weight=g)
     x, w, b, r = _operands(M, N, K, torch.bfloat16, gated=False, seed=3)
-    config = (16, 256, 8, 4, 4)  # 128 column blocks x 8 splits, operands not swapped
     outs = []
     for fixup in (False, True, True):
         monkeypatch.setattr(gemv, "SPLIT_K_FIXUP", fixup)
         out = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
         for _ in range(3):
-            small_m_linear(x, w, out, bias=b, residual=r, config=config)
+            small_m_linear(x, w, out, bias=b, residual=r, config=config, **kw)
         outs.append(out)
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])
     assert not arrival_counters(outs[2], 1).any()
+
+
+@pytest.mark.parametrize("M", [1, 16])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("split", [2, 3])
+def test_one_launch_with_the_norm_gives_the_bits_of_the_reduce_launch(monkeypatch, M, gated, split):
+    # The fused RMSNorm: the last split of each tile applies 1 / rms from every split's sums of
+    # squares. 3 column blocks, so tiles other than block 0 need the sums too; at M=16 the
+    # 64-column blocks swap the MMA operands (the q|k|v of a batch-16 decode).
+    N, K = 40 if M == 1 else 192, 1536
+    x, w, b, r = _operands(M, N, K, torch.float32, gated)
+    g = torch.randn(K, generator=torch.Generator().manual_seed(1)).to(DEV)
+    config = (16, 256, split, 4, 2) if M == 1 else (64, 128, split, 4, 2)
+    kw = dict(gated=gated, config=config, norm_eps=1e-6, norm_weight=g, bias=b, residual=r)
+    one, reduces_one = _linear(monkeypatch, True, x, w, N, split, **kw)
+    two, reduces_two = _linear(monkeypatch, False, x, w, N, split, **kw)
+    assert (reduces_one, reduces_two) == (0, 1)
+    assert not one.isnan().any()
+    assert torch.equal(one, two)
+    xn = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * g
+    y = xn @ w.T + b
+    if gated:
+        y = torch.nn.functional.silu(y[:, :N]) * y[:, N:]
+    # fp32 throughout: only summation order differs from torch's (K = 1536 terms).
+    torch.testing.assert_close(one, y + r, rtol=1e-4, atol=1e-4)

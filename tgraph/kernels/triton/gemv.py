@@ -11,8 +11,8 @@ When ``N / BLOCK_N`` programs would not fill the GPU, K is split over ``split_k`
 block. NOTE: the split is deterministic: every split writes its fp32 partial sums into a
 ``[split_k, M, N]`` workspace, and the partials are summed in split order before the epilogue
 (bias, residual, cast), by whichever split of an output tile finishes last (its ticket from a
-per-tile arrival counter, :func:`arrival_counters`, which the launch leaves zeroed) or, with the
-fused norm or swapped operands (see ``SPLIT_K_FIXUP``), by a second, reduce launch. Either way the
+per-tile arrival counter, :func:`arrival_counters`, which the launch leaves zeroed) or, with
+swapped operands and no fused norm (see ``SPLIT_K_FIXUP``), by a second, reduce launch. Either way the
 bits are the same run to run and between the two, no float atomics are used, and the grids follow
 from shapes only, so the launches are CUDA-graph capturable (pass a preallocated ``workspace`` of
 :func:`workspace_size` fp32 elements to keep allocation out of the captured region).
@@ -87,12 +87,12 @@ _M16_FUSED_BLOCK_K = 256
 # blocks keep the activations as the MMA's M side.
 _SWAP_MIN_BLOCK_N = 64
 # Split K in one launch: the last split of each output tile sums the partials (_fixup_tile) instead
-# of a second, reduce launch. Not with the fused norm, whose 1 / rms needs every split's sums of
-# squares, and not with swapped operands (the long-K down projections): both keep the reduce
-# launch. NOTE: same-process A/Bs on an H100 (2026-11-25, tgraph.bench.ab, ms per replay, rounds
-# 1-3, with / without): Qwen2.5-0.5B batch 16 (o and down in 16-column blocks, 2-3 splits)
-# 1.008 / 0.985 / 0.987 against 1.011 / 1.013 / 1.011; Llama-3.2-1B batch 16 (down swapped, 4
-# splits) 1.287 / 1.276 / 1.271 against 1.268 / 1.269 / 1.268.
+# of a second, reduce launch; with the fused norm it also sums the splits' sums of squares for
+# 1 / rms. Not with swapped operands without the norm (the long-K down projections), which keep
+# the reduce launch. NOTE: same-process A/Bs on an H100 (2026-11-25, tgraph.bench.ab, ms per
+# replay, rounds 1-3, with / without): Qwen2.5-0.5B batch 16 (o and down in 16-column blocks, 2-3
+# splits) 1.008 / 0.985 / 0.987 against 1.011 / 1.013 / 1.011; Llama-3.2-1B batch 16 (down
+# swapped, 4 splits) 1.287 / 1.276 / 1.271 against 1.268 / 1.269 / 1.268.
 SPLIT_K_FIXUP = True
 # Launch configurations by shape that replace the heuristic's: (BLOCK_M bucket, N, K, gated, norm)
 # -> (BLOCK_N, BLOCK_K, split_k, num_warps, num_stages), each measured in whole decode steps
@@ -187,8 +187,9 @@ def _small_m_linear_kernel(
     width]`` partials, for the reduce to apply ``1 / rms``.
     ``GATED``: the program also computes the same columns of the "up" half (weight rows
     ``gate_rows + n``) and the output is ``silu(gate) * up`` (N counts the output columns).
-    ``FIXUP`` (with ``WRITE_PARTIAL``, without ``NORM``): the split that finishes last for its
-    output tile sums the tile's partials and writes ``out`` (see :func:`_fixup_tile`).
+    ``FIXUP`` (with ``WRITE_PARTIAL``): the split that finishes last for its output tile sums the
+    tile's partials (and, with ``NORM``, the splits' sums of squares) and writes ``out`` (see
+    :func:`_fixup_tile`).
     """
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -242,13 +243,16 @@ def _small_m_linear_kernel(
         if GATED:
             tl.store(ws + N, acc_u, mask=mask_mn)
         if NORM:
-            if pid_n == 0:
+            # NOTE: with FIXUP every column block stores its split's sums of squares, so that the
+            # last split of any tile finds all of them: the blocks of one split compute them from
+            # the same K range of x in the same order, so they store the same bits to one place.
+            if FIXUP or pid_n == 0:
                 sq_ptrs = ws_ptr + tl.num_programs(1) * M * width + pid_k * M + offs_m
                 tl.store(sq_ptrs, sq, mask=mask_m)
         if FIXUP:
-            _fixup_tile(ws_ptr, count_ptr, bias_ptr, res_ptr, out_ptr, M, N, gate_rows,
-                        stride_rm, stride_om, offs_m, offs_n, mask_n, mask_mn,
-                        HAS_BIAS, HAS_RES, GATED, BLOCK_M, BLOCK_N)
+            _fixup_tile(ws_ptr, count_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, gate_rows, eps,
+                        stride_rm, stride_om, offs_m, offs_n, mask_m, mask_n, mask_mn,
+                        HAS_BIAS, HAS_RES, GATED, NORM, BLOCK_M, BLOCK_N)
     else:
         if NORM:
             rstd = tl.math.rsqrt(sq / K + eps)
@@ -261,14 +265,15 @@ def _small_m_linear_kernel(
 
 
 @triton.jit
-def _fixup_tile(ws_ptr, count_ptr, bias_ptr, res_ptr, out_ptr, M, N, gate_rows, stride_rm,
-                stride_om, offs_m, offs_n, mask_n, mask_mn,
+def _fixup_tile(ws_ptr, count_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, gate_rows, eps,
+                stride_rm, stride_om, offs_m, offs_n, mask_m, mask_n, mask_mn,
                 HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, GATED: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Split-K without a second launch: after its partial is stored, a split takes a ticket from
     its output tile's arrival counter; the split that arrives last sums the tile's partials in
-    split order (the order, and so the bits, of :func:`_split_k_reduce_kernel`), applies the
-    epilogue, writes ``out`` and puts the counter back to 0 for the next launch."""
+    split order (the order, and so the bits, of :func:`_split_k_reduce_kernel`), applies
+    ``1 / rms`` from the splits' sums of squares (``NORM``) and the epilogue, writes ``out`` and
+    puts the counter back to 0 for the next launch."""
     splits = tl.num_programs(1)
     tile = tl.program_id(2) * tl.num_programs(0) + tl.program_id(0)
     # Every thread's partial is stored before the ticket is taken; the release orders them
@@ -285,6 +290,14 @@ def _fixup_tile(ws_ptr, count_ptr, bias_ptr, res_ptr, out_ptr, M, N, gate_rows, 
             acc += tl.load(part, mask=mask_mn, other=0.0, cache_modifier=".cg")
             if GATED:
                 acc_u += tl.load(part + N, mask=mask_mn, other=0.0, cache_modifier=".cg")
+        if NORM:
+            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for s in range(0, splits):
+                sq += tl.load(ws_ptr + splits * M * width + s * M + offs_m, mask=mask_m, other=0.0,
+                              cache_modifier=".cg")
+            rstd = tl.math.rsqrt(sq / K + eps)
+            acc = acc * rstd[:, None]
+            acc_u = acc_u * rstd[:, None]
         out = _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_mn,
                         gate_rows, stride_rm, HAS_BIAS, HAS_RES, GATED)
         out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
@@ -365,6 +378,12 @@ def arrival_counters(out: torch.Tensor, tiles: int) -> torch.Tensor:
             _RETIRED_COUNTERS.append(counters)
         counters = _COUNTERS[key] = torch.zeros(max(tiles, 64), dtype=torch.int32, device=out.device)
     return counters
+
+
+def _split_in_one_launch(norm: bool, swapped: bool) -> bool:
+    """Whether a split-K launch reduces its output tiles itself (:func:`_fixup_tile`) instead of
+    leaving them to a reduce launch (see ``SPLIT_K_FIXUP``)."""
+    return SPLIT_K_FIXUP and (norm or not swapped)
 
 
 def _use_f32_dot(dtype: torch.dtype) -> bool:
@@ -455,8 +474,13 @@ def choose_config(M: int, N: int, K: int, device: torch.device | str | None = No
     if gated or norm:
         # 16 rows with a fused norm or gate: swapped operands, 64 weight rows per program, no
         # split (the gated grid fills the GPU, and splitting q|k|v with the norm measured slower:
-        # Llama-3.2-1B 8.3 us against 8.9 / 10.3 / 9.4 with 2 / 3 / 4 splits, H100, 2026-11-25,
-        # tune_gemv --m 16 --fusion norm). Cold-weight sweep on an H100
+        # Llama-3.2-1B 8.3 us against 8.9 / 10.3 / 9.4 with 2 / 3 / 4 splits and the reduce
+        # launch, H100, 2026-11-25, tune_gemv --m 16 --fusion norm; split in one launch, whole
+        # batch-16 steps, ms per replay, rounds 1-3 with / without: Llama-3.2-1B (48 blocks) 2
+        # splits 1.268 / 1.269 / 1.268 against 1.274 / 1.258 / 1.262, 4 splits 1.314-1.321
+        # against 1.256-1.278; Qwen2.5-0.5B (18 blocks) 2 splits 0.989 / 0.986 / 0.987 against
+        # 1.008 / 0.993 / 0.991, 4 splits 0.990 / 0.991 / 0.990 against 1.016 / 0.994 / 0.995:
+        # within the spread, not taken). Cold-weight sweep on an H100
         # (docs/bench/h100-gemv-tune-m16-fused.txt): q|k|v with the norm 8.4 us against 14.7 for 16-column blocks; gate|up with norm and SwiGLU
         # 26.9 us against 37.5 (cuBLAS alone, without the norm and SwiGLU kernels: 7.5 and 27.1);
         # gate|up without the norm 25.7 us with 128-wide K tiles. Shared memory (227 KB) takes 4
@@ -685,7 +709,7 @@ def small_m_linear(
                              f"(split_k={split}, M={M}, N={N}), got {workspace.numel()} elements")
 
     grid = (triton.cdiv(N, block_n), split, grid_m)
-    if SPLIT_K_FIXUP and norm_eps is None and not common["SWAP_AB"]:
+    if _split_in_one_launch(norm_eps is not None, common["SWAP_AB"]):
         # One launch: the last split of each output tile reduces it (see _fixup_tile).
         _small_m_linear_kernel[grid](
             x, weight, g, bias if bias is not None else dummy,
