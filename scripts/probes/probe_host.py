@@ -30,6 +30,24 @@ def main() -> None:
               f"{time_ms(replay, iters=200):.4f} ms | host of model.run "
               f"{host_ms(run, iters=200):.4f} ms | host of replay {host_ms(replay, iters=200):.4f} ms",
               flush=True)
+    state = model._graph_state()
+    key = (False, ())
+    bucket = state._bucket(batch)
+    staging, handle = state._staging[(key, bucket)], state.captured[(key, bucket)]
+    engine = state.engines[key]
+    pieces = {
+        "batch.validate": meta.validate,
+        "_features_for": lambda: state._features_for(meta),
+        "_bucket + _can_capture": lambda: (state._can_capture(), state._bucket(batch)),
+        "_update_model_inputs": lambda: model._update_model_inputs(meta),
+        "staging.write": lambda: staging.write(meta, {}),
+        "CUDAGraph.replay (launch)": graphs[0].replay,
+        "engine.replay (launch + output clone)": lambda: engine.replay(handle),
+        "staging.mark_replayed": staging.mark_replayed,
+        "model.run": run,
+    }
+    for label, fn in pieces.items():
+        print(f"  host us {label:40s} {host_ms(fn, iters=300) * 1e3:7.1f}", flush=True)
     profiler = cProfile.Profile()
     for _ in range(2000):
         torch.cuda.synchronize()

@@ -675,6 +675,18 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 8, 8192, num_sms=16) < choose_num_splits(1, 8, 8192)
 
 
+def test_decode_config_by_grid():
+    cfg = attention_decode.decode_config
+    # One program per SM or fewer (batch 1): 32-key tiles, so each split of a short context
+    # holds a tile; a larger grid keeps 64-key tiles in 3 stages; the interpreter keeps 16.
+    assert cfg(64, True, programs=2 * 16, num_sms=132) == attention_decode.DecodeConfig(32, 4, 2)
+    assert cfg(128, True, programs=132, num_sms=132).block_n == 32
+    assert cfg(64, True, programs=512, num_sms=132) == attention_decode.DecodeConfig(64, 4, 3)
+    assert cfg(64, True) == attention_decode.DecodeConfig(64, 4, 3)  # grid not known
+    assert cfg(256, True, programs=8, num_sms=132).block_n == 32 == cfg(256, True).block_n
+    assert cfg(64, False, programs=8).block_n == 16
+
+
 # --------------------------------------------------------------------------- argument checks
 
 def _decode_args(**over):

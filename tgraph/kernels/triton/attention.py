@@ -282,7 +282,8 @@ def paged_attention_decode(
                 f"(B={batch}, Hq={num_q_heads}, D={head_dim}, num_splits={num_splits})"
             )
     scale = _resolve_scale(op, scale, head_dim)
-    config = decode_config(head_dim, q.device.type == "cuda")
+    programs = batch * k_cache.shape[2] * num_splits
+    config = decode_config(head_dim, q.device.type == "cuda", programs, sm_count(q.device))
     launch_decode(
         q, k_cache, v_cache, block_table, kv_lens, scale, sliding_window, out, num_splits,
         workspace.view(-1) if workspace is not None else None, config, new_key,

@@ -64,6 +64,10 @@ PROGRAMS_PER_SM = 2
 # programs, two waves) the early tile cost 3-5% instead (the registers it holds across the wait
 # leave fewer programs resident). A module constant so tgraph.bench.ab can vary it.
 EARLY_KV_MAX_PROGRAMS_PER_SM = 1
+# (block_n, num_warps, num_stages) that replaces decode_config's choice on CUDA, for same-process
+# A/Bs of whole steps (tgraph.bench.ab --set
+# "tgraph.kernels.triton.attention_decode.CONFIG_OVERRIDE=(128, 4, 2)"); None: the heuristic.
+CONFIG_OVERRIDE: tuple[int, int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -110,18 +114,36 @@ class DecodeConfig:
     prefetch_pages: bool = False
 
 
-def decode_config(head_dim: int, is_cuda: bool) -> DecodeConfig:
+def decode_config(head_dim: int, is_cuda: bool, programs: int | None = None,
+                  num_sms: int = DEFAULT_SM_COUNT) -> DecodeConfig:
     """Pick tile sizes by heuristic.
 
     Args:
         head_dim: D, a power of two in [16, 256].
         is_cuda: False under the Triton interpreter, where small tiles keep tests multi-tile.
+        programs: the split kernel's grid size, ``B * Hk * num_splits`` (None: not known).
+        num_sms: streaming multiprocessors of the device.
 
     Returns:
         The launch configuration.
     """
     if not is_cuda:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
+    if CONFIG_OVERRIDE is not None:
+        return DecodeConfig(*CONFIG_OVERRIDE)
+    if head_dim <= 128 and programs is not None and programs <= num_sms:
+        # NOTE: a grid of at most one program per SM (batch 1, a few sequences) streams 32-key
+        # tiles in 2 stages: each split of a 512-key context then holds one tile, where 64-key
+        # tiles left half of the splits empty. Same-process A/Bs on H100s (2026-11-25,
+        # tgraph.bench.ab, ms per replay, rounds 1-3, with / without): Qwen2.5-0.5B batch 1
+        # 0.596 / 0.597 / 0.598 against 0.600 / 0.600 / 0.607, and on another machine 0.614 /
+        # 0.609 / 0.601 against 0.600 / 0.602 / 0.604 (a wash); Llama-3.2-1B batch 1 0.991 /
+        # 0.990 / 0.986 against 0.998 / 0.998 / 0.998, then 0.983 / 0.996 / 0.983 against 0.998
+        # / 0.994 / 0.994 (~1% faster). At batch 16 (512 programs) no other shape
+        # beat 64 x 3 stages (1.258-1.269): 64 x 2 stages 1.262-1.265, 128 x 2 stages
+        # 1.280-1.282, 128 x 3 stages with 8 warps 1.335-1.344, 64 x 3 with 8 warps 1.332-1.334,
+        # 32 x 3 in 8 splits 1.296-1.298, 128 x 3 in 2 splits 1.288-1.290.
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
     if head_dim <= 128:
         return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
     return DecodeConfig(block_n=32, num_warps=4, num_stages=2)

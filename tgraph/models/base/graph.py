@@ -495,6 +495,10 @@ class _Staging:
         self.inputs.update(resident)
         self._rows: list[list[int]] = []  # block-table rows as the host array holds them
         self._replayed: torch.cuda.Event | None = None
+        # An explicit index: torch.cuda.current_stream() without one looks the device up anew
+        # (~10 us of host time per step on a slow host).
+        self._device_index = (device.index if device.index is not None else
+                              torch.cuda.current_device()) if device.type == "cuda" else None
 
     def write(self, batch: BatchMeta, extra: dict[str, np.ndarray]) -> None:
         """Put a (bucket-padded) decode batch and the features' arrays into the host array."""
@@ -547,4 +551,4 @@ class _Staging:
         """Called after the graph launch: the next :meth:`write` waits for its copy."""
         if self._replayed is None:
             self._replayed = torch.cuda.Event()
-        self._replayed.record()
+        self._replayed.record(torch.cuda.current_stream(self._device_index))
