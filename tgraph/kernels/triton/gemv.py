@@ -37,7 +37,7 @@ every M of the bucket):
   a bandwidth-bound kernel. With ``BLOCK_N >= 64`` the operands are swapped (``SWAP_AB``): the
   weight tile is the MMA's M side (``acc[BLOCK_N, BLOCK_M] = w @ x.T``, transposed once after the
   loop), so a program streams a weight tile several times larger than the activations' tile
-  instead of one as small as it.
+  instead of one as small as it. On Hopper those weight tiles are read by TMA (``TMA_WEIGHTS``).
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from tgraph.kernels.triton.device_info import sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
@@ -99,6 +100,13 @@ SPLIT_K_FIXUP = True
 # (tgraph.bench.ab can set this table, e.g.
 # --set "tgraph.kernels.triton.gemv.CONFIG_OVERRIDES={(16, 2048, 8192, False, False): (64, 128, 4, 4, 4)}").
 CONFIG_OVERRIDES: dict[tuple[int, int, int, bool, bool], tuple[int, int, int, int, int]] = {}
+# Swapped-operand programs (16-row blocks of 64+ weight rows) read their weight tiles by TMA
+# (Hopper tensor descriptors) instead of through pointers: the same tiles, the same bits. NOTE:
+# same-process A/Bs on an H100 (2026-11-25, tgraph.bench.ab, batch 16, ms per replay, rounds 1-3,
+# with / without): Llama-3.2-1B 1.248 / 1.248 / 1.262 against 1.269 / 1.262 / 1.265,
+# Qwen2.5-0.5B 0.985 / 0.986 / 0.984 against 1.009 / 0.989 / 0.989, Llama-3-8B 6.302 / 6.287
+# against 6.328 / 6.309. Off: pointers everywhere (also before Hopper).
+TMA_WEIGHTS = True
 
 
 @triton.jit
@@ -142,16 +150,29 @@ def _mac(acc, w, xv, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, SWAP_AB: tl.c
 
 
 @triton.jit
-def _load_w_tile(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
-    """The weight tile at ``k0`` (and the "up" rows' tile when ``GATED``; else the same tile)."""
+def _load_w_tile(w_rows, u_rows, w_desc, n0, u0, k0, k_end, mask_n, BLOCK_K: tl.constexpr,
+                 GATED: tl.constexpr, W_DESC: tl.constexpr):
+    """The weight tile at ``k0`` (and the "up" rows' tile when ``GATED``; else the same tile).
+
+    ``W_DESC``: read by TMA through ``w_desc`` at rows ``n0`` (and ``u0``), where rows and
+    columns past the weight read as zeros; rows past N of the gate half read up rows instead,
+    which only feed output columns that are never stored.
+    """
     offs_k = k0 + tl.arange(0, BLOCK_K)
     mask_k = offs_k < k_end
-    mask_w = mask_n[:, None] & mask_k[None, :]
-    w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
-    if GATED:
-        w_u = tl.load(u_rows + offs_k[None, :], mask=mask_w, other=0.0)
+    if W_DESC:
+        w = w_desc.load([n0, k0])
+        if GATED:
+            w_u = w_desc.load([u0, k0])
+        else:
+            w_u = w
     else:
-        w_u = w
+        mask_w = mask_n[:, None] & mask_k[None, :]
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_w, other=0.0)
+        if GATED:
+            w_u = tl.load(u_rows + offs_k[None, :], mask=mask_w, other=0.0)
+        else:
+            w_u = w
     return w, w_u, offs_k, mask_k
 
 
@@ -170,14 +191,14 @@ def _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
 
 @triton.jit
 def _small_m_linear_kernel(
-    x_ptr, w_ptr, g_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, count_ptr,
+    x_ptr, w_ptr, w_desc, g_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, k_per_split, gate_rows, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, WRITE_PARTIAL: tl.constexpr,
     NORM: tl.constexpr, HAS_G: tl.constexpr, GATED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr, SWAP_AB: tl.constexpr, PDL: tl.constexpr,
-    FIXUP: tl.constexpr = False,
+    FIXUP: tl.constexpr = False, W_DESC: tl.constexpr = False,
 ):
     """Output columns ``[pid_n * BLOCK_N, +BLOCK_N)`` of ``BLOCK_M`` rows over one K split.
 
@@ -187,6 +208,8 @@ def _small_m_linear_kernel(
     width]`` partials, for the reduce to apply ``1 / rms``.
     ``GATED``: the program also computes the same columns of the "up" half (weight rows
     ``gate_rows + n``) and the output is ``silu(gate) * up`` (N counts the output columns).
+    ``W_DESC``: weight tiles are read by TMA through the tensor descriptor ``w_desc`` (whose
+    block is ``[BLOCK_N, BLOCK_K]``) instead of through pointers.
     ``FIXUP`` (with ``WRITE_PARTIAL``): the split that finishes last for its output tile sums the
     tile's partials (and, with ``NORM``, the splits' sums of squares) and writes ``out`` (see
     :func:`_fixup_tile`).
@@ -218,12 +241,16 @@ def _small_m_linear_kernel(
 
     # First K tile: its weights do not depend on any earlier kernel, so they are loaded before
     # the PDL wait and stream while the previous kernel drains (see tgraph.kernels.triton.pdl).
-    w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, k_start, k_end, mask_n, BLOCK_K, GATED)
+    n0 = pid_n * BLOCK_N
+    u0 = n0 + gate_rows
+    w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, w_desc, n0, u0, k_start, k_end, mask_n,
+                                          BLOCK_K, GATED, W_DESC)
     pdl_wait(PDL)
     acc, acc_u, sq = _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
                              BLOCK_M, NORM, HAS_G, GATED, F32_DOT, SWAP_AB)
     for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-        w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K, GATED)
+        w, w_u, offs_k, mask_k = _load_w_tile(w_rows, u_rows, w_desc, n0, u0, k0, k_end, mask_n,
+                                              BLOCK_K, GATED, W_DESC)
         acc, acc_u, sq = _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
                                  BLOCK_M, NORM, HAS_G, GATED, F32_DOT, SWAP_AB)
 
@@ -384,6 +411,23 @@ def _split_in_one_launch(norm: bool, swapped: bool) -> bool:
     """Whether a split-K launch reduces its output tiles itself (:func:`_fixup_tile`) instead of
     leaving them to a reduce launch (see ``SPLIT_K_FIXUP``)."""
     return SPLIT_K_FIXUP and (norm or not swapped)
+
+
+def _weight_descriptor(weight: torch.Tensor, block_n: int, block_k: int,
+                       swapped: bool) -> TensorDescriptor | None:
+    """A TMA descriptor of ``weight`` with ``[block_n, block_k]`` blocks, or None to read it
+    through pointers: only for swapped operands (``TMA_WEIGHTS``), on Hopper or later (or the
+    Triton interpreter), with 16-byte aligned rows."""
+    if not (TMA_WEIGHTS and swapped):
+        return None
+    if weight.data_ptr() % 16 or (weight.stride(0) * weight.element_size()) % 16:
+        return None
+    if block_k * weight.element_size() < 16:
+        return None
+    if weight.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        if torch.cuda.get_device_capability(weight.device)[0] < 9:
+            return None
+    return TensorDescriptor(weight, list(weight.shape), [weight.stride(0), 1], [block_n, block_k])
 
 
 def _use_f32_dot(dtype: torch.dtype) -> bool:
@@ -686,11 +730,14 @@ def small_m_linear(
     )
     g = norm_weight if norm_weight is not None else dummy
     eps = float(norm_eps) if norm_eps is not None else 0.0
+    desc = _weight_descriptor(weight, block_n, block_k, common["SWAP_AB"])
+    common["W_DESC"] = desc is not None
+    w_desc = desc if desc is not None else weight  # stands in when unused (never read)
     res_stride = residual.stride(0) if residual is not None else 0
 
     if split == 1:
         _small_m_linear_kernel[(triton.cdiv(N, block_n), 1, grid_m)](
-            x, weight, g, bias if bias is not None else dummy, residual if residual is not None else dummy,
+            x, weight, w_desc, g, bias if bias is not None else dummy, residual if residual is not None else dummy,
             out, dummy, dummy,
             M, N, K, k_per_split, N, eps,
             x.stride(0), weight.stride(0), res_stride, out.stride(0),
@@ -712,7 +759,7 @@ def small_m_linear(
     if _split_in_one_launch(norm_eps is not None, common["SWAP_AB"]):
         # One launch: the last split of each output tile reduces it (see _fixup_tile).
         _small_m_linear_kernel[grid](
-            x, weight, g, bias if bias is not None else dummy,
+            x, weight, w_desc, g, bias if bias is not None else dummy,
             residual if residual is not None else dummy, out, workspace,
             arrival_counters(out, grid[0] * grid_m),
             M, N, K, k_per_split, N, eps,
@@ -722,7 +769,7 @@ def small_m_linear(
         )
         return out
     _small_m_linear_kernel[grid](
-        x, weight, g, dummy, dummy, dummy, workspace, dummy,
+        x, weight, w_desc, g, dummy, dummy, dummy, workspace, dummy,
         M, N, K, k_per_split, N, eps,
         x.stride(0), weight.stride(0), 0, out.stride(0),
         HAS_BIAS=False, HAS_RES=False, WRITE_PARTIAL=True, **common,

@@ -1,0 +1,67 @@
+"""The small-M linear reading its weight tiles by TMA (tensor descriptors, ``TMA_WEIGHTS``)
+against the pointer loads: the same tiles in the same order, so the same bits, at ragged shapes
+(rows past N of the gate half, K past the last tile, splits) and at real decode shapes on a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tgraph.kernels.triton.gemv as gemv
+from tgraph.kernels.triton.gemv import small_m_linear
+
+HAS_CUDA = torch.cuda.is_available()
+DEV = "cuda" if HAS_CUDA else "cpu"
+
+
+def _both(monkeypatch, M, N, K, gated, norm, config, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * N if gated else N
+    x = torch.randn(M, K, generator=gen).to(dtype).to(DEV)
+    w = (torch.randn(rows, K, generator=gen) / K**0.5).to(dtype).to(DEV)
+    b = torch.randn(rows, generator=gen).to(dtype).to(DEV)
+    r = torch.randn(M, N, generator=gen).to(dtype).to(DEV)
+    g = torch.randn(K, generator=gen).to(dtype).to(DEV)
+    kw = dict(norm_eps=1e-6, norm_weight=g) if norm else {}
+    outs, used = [], []
+    for tma in (False, True):
+        monkeypatch.setattr(gemv, "TMA_WEIGHTS", tma)
+        used.append(gemv._weight_descriptor(w, config[0], config[1], True) is not None)
+        out = torch.full((M, N), float("nan"), dtype=dtype, device=DEV)
+        small_m_linear(x, w, out, bias=b, residual=r, config=config, gated=gated, **kw)
+        outs.append(out)
+    assert used == [False, True]
+    return outs
+
+
+@pytest.mark.parametrize("M, N, K, gated, norm, config", [
+    (16, 200, 640, False, False, (64, 128, 1, 4, 2)),   # ragged last column block
+    (16, 200, 640, True, True, (64, 128, 1, 4, 2)),     # gate rows past N read up rows
+    (5, 130, 520, False, True, (64, 128, 2, 4, 2)),     # ragged K, 2 splits, the norm
+    (16, 96, 1000, True, False, (64, 128, 3, 4, 2)),    # 3 splits, last one ragged
+])
+def test_tma_weight_tiles_give_the_bits_of_pointer_loads(monkeypatch, M, N, K, gated, norm, config):
+    pointers, tma = _both(monkeypatch, M, N, K, gated, norm, config)
+    assert not tma.isnan().any()
+    assert torch.equal(pointers, tma)
+
+
+def test_no_descriptor_where_tma_cannot_read_the_weight(monkeypatch):
+    monkeypatch.setattr(gemv, "TMA_WEIGHTS", True)
+    w = torch.randn(64, 130)  # 520-byte rows: not 16-byte aligned
+    assert gemv._weight_descriptor(w, 64, 128, True) is None
+    w = torch.randn(64, 128)
+    assert gemv._weight_descriptor(w, 64, 128, False) is None  # operands not swapped
+    assert gemv._weight_descriptor(w, 64, 128, True) is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
+@pytest.mark.parametrize("N, K, gated, norm, config", [
+    (3072, 2048, False, True, (64, 256, 1, 4, 4)),    # Llama-3.2-1B q|k|v with the norm
+    (8192, 2048, True, True, (64, 256, 1, 4, 3)),     # gate|up with the norm and SwiGLU
+    (2048, 8192, False, False, (64, 128, 4, 4, 4)),   # down, 4 splits
+])
+def test_tma_weight_tiles_on_the_gpu(monkeypatch, N, K, gated, norm, config):
+    pointers, tma = _both(monkeypatch, 16, N, K, gated, norm, config, dtype=torch.bfloat16)
+    torch.cuda.synchronize()
+    assert torch.equal(pointers, tma)
