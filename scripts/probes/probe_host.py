@@ -1,4 +1,5 @@
-"""Probe: where the host time of a captured decode step goes (session 12, GPU only):
+"""Probe: where the host time of a captured decode step goes (session 12, GPU only; results in
+docs/bench/h100-session12.txt):
 PYTHONPATH=. python scripts/probes/probe_host.py [PRESET] [BATCH]
 
 Prints the event-timed ``model.run`` and graph replay, the host time of ``model.run`` and of a
