@@ -219,7 +219,7 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings) 
         model = random_model(hf_config, weights, max_model_len=4096, graph=graph,
                              cuda_graph=cuda_graph)
         try:
-            bench_tgraph(model, batches if graph == "static" else batches[:1], result, label)
+            bench_tgraph(model, batches, result, label)
         except Exception as err:
             result.skipped[label] = f"{type(err).__name__}: {err}"
         del model
