@@ -236,3 +236,16 @@ def build_with_triton_backend(monkeypatch: Any) -> None:
     build = Network.build_engine
     monkeypatch.setattr(Network, "build_engine",
                         lambda self, *a, **k: build(self, *a, **{**k, "backend": "triton"}))
+
+
+def linear_operands(M: int, N: int, K: int, dtype: torch.dtype, gated: bool, device: str,
+                    seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Seeded operands of a small-M linear: ``x [M, K]``, ``weight [N or 2N (gated), K]``
+    (scaled by ``1/sqrt(K)``), ``bias`` and ``residual [M, N]``, in ``dtype`` on ``device``."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = 2 * N if gated else N
+    x = torch.randn(M, K, generator=gen).to(dtype).to(device)
+    w = (torch.randn(rows, K, generator=gen) / K**0.5).to(dtype).to(device)
+    b = torch.randn(rows, generator=gen).to(dtype).to(device)
+    r = torch.randn(M, N, generator=gen).to(dtype).to(device)
+    return x, w, b, r

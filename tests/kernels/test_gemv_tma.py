@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tgraph.kernels.triton.gemv as gemv
+from tests.helpers import linear_operands
 from tgraph.kernels.triton.gemv import small_m_linear
 
 HAS_CUDA = torch.cuda.is_available()
@@ -14,13 +15,8 @@ DEV = "cuda" if HAS_CUDA else "cpu"
 
 
 def _both(monkeypatch, M, N, K, gated, norm, config, dtype=torch.float32, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rows = 2 * N if gated else N
-    x = torch.randn(M, K, generator=gen).to(dtype).to(DEV)
-    w = (torch.randn(rows, K, generator=gen) / K**0.5).to(dtype).to(DEV)
-    b = torch.randn(rows, generator=gen).to(dtype).to(DEV)
-    r = torch.randn(M, N, generator=gen).to(dtype).to(DEV)
-    g = torch.randn(K, generator=gen).to(dtype).to(DEV)
+    x, w, b, r = linear_operands(M, N, K, dtype, gated, DEV, seed)
+    g = torch.randn(K, generator=torch.Generator().manual_seed(seed + 1)).to(dtype).to(DEV)
     kw = dict(norm_eps=1e-6, norm_weight=g) if norm else {}
     outs, used = [], []
     for tma in (False, True):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tgraph.kernels.triton.gemv as gemv
+from tests.helpers import linear_operands
 from tgraph.kernels.triton.gemv import arrival_counters, small_m_linear
 
 HAS_CUDA = torch.cuda.is_available()
@@ -25,13 +26,7 @@ class _Launches:
 
 
 def _operands(M, N, K, dtype, gated, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    rows = 2 * N if gated else N
-    x = torch.randn(M, K, generator=gen).to(dtype).to(DEV)
-    w = (torch.randn(rows, K, generator=gen) / K**0.5).to(dtype).to(DEV)
-    b = torch.randn(rows, generator=gen).to(dtype).to(DEV)
-    r = torch.randn(M, N, generator=gen).to(dtype).to(DEV)
-    return x, w, b, r
+    return linear_operands(M, N, K, dtype, gated, DEV, seed)
 
 
 def _linear(monkeypatch, fixup, x, w, N, split_k, **kw):
