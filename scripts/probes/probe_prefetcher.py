@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 from tgraph.kernels.triton.gemv import small_m_linear
-from tgraph.kernels.triton.prefetch import prefetch_ahead
+from tgraph.kernels.triton.prefetch import _prefetch_range, prefetch_ahead
 from tgraph.kernels.side_streams import join_forked
 
 from graph_timing import replay_ms
@@ -50,13 +50,7 @@ def _spin_pf(flag, value, ns, table, layer, NW: tl.constexpr, MODE: tl.constexpr
         else:  # bulk 16 KB prefetches
             nchunks = (nbytes + 16383) // 16384
             for c0 in range(pid * 128, nchunks, P * 128):
-                off = (c0 + tl.arange(0, 128)).to(tl.int64) * 16384
-                size = tl.minimum(tl.maximum(nbytes - off, 0), 16384).to(tl.int32)
-                size = (size // 16) * 16
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                    "mov.u32 $0, 0; }",
-                    "=r,l,r", [addr + off, size], dtype=tl.int32, is_pure=False, pack=1)
+                _prefetch_range(addr, nbytes, c0, 16384, 128)
     t0 = tl.extra.cuda.globaltimer()
     t = t0
     while t - t0 < ns:
@@ -66,7 +60,6 @@ def _spin_pf(flag, value, ns, table, layer, NW: tl.constexpr, MODE: tl.constexpr
 @triton.jit
 def _prefetcher(table, flag, NL, NW: tl.constexpr, P, max_polls, CHUNK: tl.constexpr):
     pid = tl.program_id(0)
-    lanes = tl.arange(0, 32)
     for layer in range(NL):
         polls = 0
         f = tl.load(flag, volatile=True)
@@ -78,13 +71,7 @@ def _prefetcher(table, flag, NL, NW: tl.constexpr, P, max_polls, CHUNK: tl.const
             nbytes = tl.load(table + (layer * NW + w) * 2 + 1)
             nchunks = (nbytes + CHUNK - 1) // CHUNK
             for c0 in range(pid * 32, nchunks, P * 32):
-                off = (c0 + lanes).to(tl.int64) * CHUNK
-                size = tl.minimum(tl.maximum(nbytes - off, 0), CHUNK).to(tl.int32)
-                size = (size // 16) * 16
-                tl.inline_asm_elementwise(
-                    "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; "
-                    "mov.u32 $0, 0; }",
-                    "=r,l,r", [addr + off, size], dtype=tl.int32, is_pure=False, pack=1)
+                _prefetch_range(addr, nbytes, c0, CHUNK, 32)
 
 
 def graph_us(fn):
