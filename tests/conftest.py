@@ -24,6 +24,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+def pytest_runtest_logreport(report):
+    # TGRAPH_TEST_LOG=FILE appends each test phase's duration as it ends (survives a killed run).
+    path = os.environ.get("TGRAPH_TEST_LOG")
+    if path and (report.when != "teardown" or report.outcome != "passed"):
+        with open(path, "a", encoding="utf-8") as log:
+            log.write(f"{report.duration:9.3f} {report.when:8s} {report.outcome:8s} {report.nodeid}\n")
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -210,7 +210,7 @@ class PagedBatcher:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        kv_lens: list[int] = []
+        seq_len: list[int] = []
         tables: list[list[int]] = []
         for s, n in zip(seqs, num_tokens):
             seq = self._seqs[s]
@@ -227,7 +227,7 @@ class PagedBatcher:
                 positions.append(pos)
                 slots.append(seq.blocks[pos // self.block_size] * self.block_size
                              + pos % self.block_size)
-            kv_lens.append(end)
+            seq_len.append(end)
             tables.append(list(seq.blocks))
         is_prefill = not all(n == 1 and self._seqs[s].cached > 0
                              for s, n in zip(seqs, num_tokens))
@@ -235,9 +235,9 @@ class PagedBatcher:
             raise ValueError("all_logits needs a prefill batch (decode gives one row per sequence)")
         for s, n in zip(seqs, num_tokens):
             self._seqs[s].cached += n
-        return BatchMeta(input_ids=ids, positions=positions, slots=slots,
-                         query_lens=list(num_tokens), kv_lens=kv_lens, block_tables=tables,
-                         logits_indices=list(range(len(ids))) if all_logits else None,
+        return BatchMeta(input_ids=ids, position_ids=positions, slots_mapping=slots,
+                         query_lens=list(num_tokens), seq_len=seq_len, block_table=tables,
+                         lm_head_indices=list(range(len(ids))) if all_logits else None,
                          is_prefill=is_prefill)
 
 

@@ -30,7 +30,7 @@ def test_bad_overrides_are_refused(text, message):
 @pytest.mark.gpu
 def test_captured_decode_stages_the_measured_batch_and_exposes_its_graphs():
     """Replays timed right after captured_decode must read context CONTEXT, not the capture's
-    placeholder batch (kv_lens 0)."""
+    placeholder batch (seq_len 0)."""
     import torch
 
     from tgraph.bench.models import CONTEXT, captured_decode, random_model, random_weights
@@ -45,7 +45,7 @@ def test_captured_decode_stages_the_measured_batch_and_exposes_its_graphs():
     meta = captured_decode(model, 2)
     staging = list(model._graph_state()._staging.values())
     assert len(staging) == 1 and staging[0].views["seq_len"].tolist() == [CONTEXT, CONTEXT]
-    assert meta.kv_lens == [CONTEXT, CONTEXT]
+    assert meta.seq_len == [CONTEXT, CONTEXT]
     # The bench times the captured bucket's graphs alone; other buckets have none.
     graphs = model.decode_graphs(2)
     assert graphs and all(isinstance(g, torch.cuda.CUDAGraph) for g in graphs)

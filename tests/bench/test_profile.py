@@ -16,11 +16,11 @@ def test_prefill_shape_must_be_n_x_l(shape):
 
 def test_prefill_batch_puts_each_prompt_in_its_own_blocks():
     meta = prefill_batch(2, 5, block_size=4)
-    assert meta.is_prefill and meta.query_lens == [5, 5] and meta.kv_lens == [5, 5]
-    assert meta.block_tables == [[0, 1], [2, 3]]
-    assert meta.positions == [0, 1, 2, 3, 4] * 2
-    # Token p of prompt i sits at slot block_tables[i][p // 4] * 4 + p % 4.
-    assert meta.slots == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]
+    assert meta.is_prefill and meta.query_lens == [5, 5] and meta.seq_len == [5, 5]
+    assert meta.block_table == [[0, 1], [2, 3]]
+    assert meta.position_ids == [0, 1, 2, 3, 4] * 2
+    # Token p of prompt i sits at slot block_table[i][p // 4] * 4 + p % 4.
+    assert meta.slots_mapping == [0, 1, 2, 3, 4, 8, 9, 10, 11, 12]
 
 
 def test_profiled_step_runs_exactly_one_step_inside_the_profiler_range(monkeypatch):

@@ -52,9 +52,9 @@ def generate(model: Any, steps: int, forced: Sequence[Sequence[int]] | None = No
     seqs = [list(p) for p in PROMPTS]
     meta = BatchMeta(
         input_ids=[t for p in seqs for t in p],
-        positions=[i for p in seqs for i in range(len(p))],
-        slots=[slot(s, i) for s, p in enumerate(seqs) for i in range(len(p))],
-        query_lens=[len(p) for p in seqs], kv_lens=[len(p) for p in seqs], block_tables=tables)
+        position_ids=[i for p in seqs for i in range(len(p))],
+        slots_mapping=[slot(s, i) for s, p in enumerate(seqs) for i in range(len(p))],
+        query_lens=[len(p) for p in seqs], seq_len=[len(p) for p in seqs], block_table=tables)
     all_logits, fed = [], []
     for step in range(steps + 1):
         logits = model.run(meta).float().cpu()
@@ -67,10 +67,10 @@ def generate(model: Any, steps: int, forced: Sequence[Sequence[int]] | None = No
             break
         for s, t in enumerate(nxt):
             seqs[s].append(t)
-        meta = BatchMeta(input_ids=nxt, positions=[len(p) - 1 for p in seqs],
-                         slots=[slot(s, len(p) - 1) for s, p in enumerate(seqs)],
-                         query_lens=[1] * len(seqs), kv_lens=[len(p) for p in seqs],
-                         block_tables=tables, is_prefill=False)
+        meta = BatchMeta(input_ids=nxt, position_ids=[len(p) - 1 for p in seqs],
+                         slots_mapping=[slot(s, len(p) - 1) for s, p in enumerate(seqs)],
+                         query_lens=[1] * len(seqs), seq_len=[len(p) for p in seqs],
+                         block_table=tables, is_prefill=False)
     return all_logits, fed
 
 

@@ -39,7 +39,7 @@ def _record(dtype, params: dict | None = None, decode: bool = False):
         v_cache = Tensor("v_cache", dtype, (NUM_BLOCKS, BLOCK, HK, D))
         slots = Tensor("slots", torch.int32, (sym,))
         block_table = Tensor("block_table", torch.int32, ("batch", 4))
-        kv_lens = Tensor("kv_lens", torch.int32, ("batch",))
+        seq_len = Tensor("seq_len", torch.int32, ("batch",))
         qsl = None if decode else Tensor("query_start_loc", torch.int32, ("batch_plus_one",))
         if params is None:
             w = {name: Tensor(name, dtype, shape) for name, shape in WEIGHTS.items()}
@@ -54,7 +54,7 @@ def _record(dtype, params: dict | None = None, decode: bool = False):
         q, k = F.rope(q, k, cos, sin)
         k_cache, v_cache = F.reshape_and_cache(k, v, k_cache, v_cache, slots)
         # As the Attention layer does: a prefill's attention may read the new keys directly.
-        a = F.paged_attention(q, k_cache, v_cache, block_table, kv_lens, qsl,
+        a = F.paged_attention(q, k_cache, v_cache, block_table, seq_len, qsl,
                               new_kv=None if decode else (k, v))
         r2 = F.linear(a.reshape(-1, HQ * D), w["wo"]) + r
         x2 = _plain_rms(r2, w["ln2"])
@@ -82,7 +82,7 @@ def _inputs(dtype, seed=0):
         "v_cache": torch.zeros(NUM_BLOCKS, BLOCK, HK, D, dtype=dtype),
         "slots": slots.to(torch.int32), "block_table": torch.cat(
             [blocks, torch.zeros(2, 2, dtype=torch.int32)], 1),
-        "kv_lens": torch.tensor(lens, dtype=torch.int32),
+        "seq_len": torch.tensor(lens, dtype=torch.int32),
         "query_start_loc": torch.tensor([0, 4, 9], dtype=torch.int32),
         "ln1": 1 + rnd(HIDDEN, scale=0.1), "ln2": 1 + rnd(HIDDEN, scale=0.1),
         "wq": rnd(HQ * D, HIDDEN, scale=0.1), "wk": rnd(HK * D, HIDDEN, scale=0.1),
@@ -105,7 +105,7 @@ def _decode_inputs(dtype, seed=0):
     freqs = pos[:, None].float() / (10000 ** (torch.arange(0, D, 2).float() / D))[None, :]
     inputs.update(hidden=inputs["hidden"][:2], residual=inputs["residual"][:2],
                   cos=freqs.cos(), sin=freqs.sin(),
-                  kv_lens=torch.tensor(lens, dtype=torch.int32))
+                  seq_len=torch.tensor(lens, dtype=torch.int32))
     del inputs["query_start_loc"]
     return inputs
 
@@ -218,7 +218,7 @@ def test_triton_backend_matches_reference_on_cpu_interpreter():
     small = _inputs(torch.float32, seed=1)
     for k in ("hidden", "residual", "cos", "sin", "slots"):
         small[k] = small[k][:4]
-    small.update(kv_lens=torch.tensor([4], dtype=torch.int32),
+    small.update(seq_len=torch.tensor([4], dtype=torch.int32),
                  query_start_loc=torch.tensor([0, 4], dtype=torch.int32),
                  block_table=small["block_table"][:1])
     ref_small = net.build_engine(backend="reference").forward(_fresh(small))["out"]
@@ -238,7 +238,7 @@ def test_norm_linear_on_triton_backend_matches_reference(tokens):
     if tokens == 3:
         for k in ("hidden", "residual", "cos", "sin", "slots"):
             inputs[k] = inputs[k][:3]
-        inputs.update(kv_lens=torch.tensor([3], dtype=torch.int32),
+        inputs.update(seq_len=torch.tensor([3], dtype=torch.int32),
                       query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
                       block_table=inputs["block_table"][:1])
     ref = net.build_engine(backend="reference").forward(_fresh(inputs))["out"]

@@ -614,11 +614,11 @@ ROPE_INFO = OpInfo(
 
 # ---- KV cache and paged attention ----------------------------------------------------------------
 
-def cache_write_expect(k, v, k_cache, v_cache, slots):
-    """Naive per-token copy into clones of the caches; negative slots write nothing."""
+def cache_write_expect(k, v, k_cache, v_cache, slots_mapping):
+    """Naive per-token copy into clones of the caches; negative slots_mapping write nothing."""
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
     block_size = k_cache.shape[1]
-    for t, slot in enumerate(slots.tolist()):
+    for t, slot in enumerate(slots_mapping.tolist()):
         if slot >= 0:
             k_cache[slot // block_size, slot % block_size] = k[t]
             v_cache[slot // block_size, slot % block_size] = v[t]
@@ -628,42 +628,42 @@ def cache_write_expect(k, v, k_cache, v_cache, slots):
 def _cache_samples(dtype: torch.dtype) -> list[Sample]:
     out = []
     for slot_dtype in (torch.int32, torch.int64):
-        slots = torch.randperm(20)[:6].to(slot_dtype)
-        slots[1] = slots[4] = -1  # padding tokens: skipped
+        slots_mapping = torch.randperm(20)[:6].to(slot_dtype)
+        slots_mapping[1] = slots_mapping[4] = -1  # padding tokens: skipped
         out.append(Sample({"k": rand(6, 2, 8, dtype=dtype), "v": rand(6, 2, 8, dtype=dtype),
                            "k_cache": rand(5, 4, 2, 8, dtype=dtype),
-                           "v_cache": rand(5, 4, 2, 8, dtype=dtype), "slots": slots},
+                           "v_cache": rand(5, 4, 2, 8, dtype=dtype), "slots_mapping": slots_mapping},
                           shapes={"k": ("num_tokens", 2, 8), "v": ("num_tokens", 2, 8),
-                                  "slots": ("num_tokens",)}))
+                                  "slots_mapping": ("num_tokens",)}))
     return out
 
 
 CACHE_INFO = OpInfo("reshape_and_cache",
-                    lambda k, v, k_cache, v_cache, slots: F.reshape_and_cache(k, v, k_cache,
-                                                                              v_cache, slots),
+                    lambda k, v, k_cache, v_cache, slots_mapping: F.reshape_and_cache(k, v, k_cache,
+                                                                              v_cache, slots_mapping),
                     cache_write_expect, _cache_samples)
 
 
 def naive_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
                     q_lens: list[int], scale: float, window: int | None) -> torch.Tensor:
-    """Causal attention on unpaged per-sequence K/V ``[kv_len, kv_heads, d]``, in fp64.
+    """Causal attention on unpaged per-sequence K/V ``[seq_len, kv_heads, d]``, in fp64.
 
-    Query ``i`` of a sequence with ``q_len`` queries and ``kv_len`` keys sits at position
-    ``kv_len - q_len + i`` and sees keys ``j <= p`` with ``p - j < window``.
+    Query ``i`` of a sequence with ``q_len`` queries and ``seq_len`` keys sits at position
+    ``seq_len - q_len + i`` and sees keys ``j <= p`` with ``p - j < window``.
     """
     tokens, q_heads, head_dim = q.shape
     out = torch.zeros(tokens, q_heads, head_dim, dtype=torch.float64, device=q.device)
     start = 0
     for k, v, n in zip(keys, values, q_lens):
-        kv_len, kv_heads = k.shape[0], k.shape[1]
+        seq_len, kv_heads = k.shape[0], k.shape[1]
         if n == 0:
             continue
         group = q_heads // kv_heads
         # q head h reads kv head h // group: split the q heads as [kv_heads, group].
         qb = q[start:start + n].to(torch.float64).reshape(n, kv_heads, group, head_dim)
         scores = torch.einsum("nhgd,lhd->hgnl", qb, k.to(torch.float64)) * scale
-        p = torch.arange(kv_len - n, kv_len, device=q.device)[:, None]
-        j = torch.arange(kv_len, device=q.device)[None, :]
+        p = torch.arange(seq_len - n, seq_len, device=q.device)[:, None]
+        j = torch.arange(seq_len, device=q.device)[None, :]
         visible = j <= p
         if window is not None:
             visible &= (p - j) < window
@@ -675,46 +675,46 @@ def naive_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torc
     return out
 
 
-def attention_sample(dtype: torch.dtype, *, q_lens: list[int], kv_lens: list[int], q_heads: int,
+def attention_sample(dtype: torch.dtype, *, q_lens: list[int], seq_len: list[int], q_heads: int,
                      kv_heads: int, head_dim: int, block_size: int, decode: bool = False,
                      sliding_window: int | None = None, scale: float | None = None,
                      write_new: bool = False, device: str = "cpu") -> Sample:
     """Random per-sequence K/V paged into a cache through a shuffled block table.
 
     Block 0 is a never-owned "null" block and every slot that holds no key is NaN, so a kernel
-    that reads past ``kv_len`` or through a padded block-table entry produces NaN. With
+    that reads past ``seq_len`` or through a padded block-table entry produces NaN. With
     ``write_new`` the new tokens' k/v are left out of the cache and given as inputs with their
-    slots (to be written by ``reshape_and_cache`` before attention reads them).
+    slots_mapping (to be written by ``reshape_and_cache`` before attention reads them).
     """
-    keys = [rand(n, kv_heads, head_dim, dtype=dtype, lo=-1, hi=1, device=device) for n in kv_lens]
+    keys = [rand(n, kv_heads, head_dim, dtype=dtype, lo=-1, hi=1, device=device) for n in seq_len]
     values = [rand(n, kv_heads, head_dim, dtype=dtype, lo=-1, hi=1, device=device)
-              for n in kv_lens]
+              for n in seq_len]
     q = rand(sum(q_lens), q_heads, head_dim, dtype=dtype, lo=-1, hi=1, device=device)
-    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    blocks_per_seq = [-(-n // block_size) for n in seq_len]
     num_blocks = 1 + sum(blocks_per_seq) + 2
     owned = (torch.randperm(num_blocks - 1) + 1).tolist()  # shuffled, never block 0
     max_blocks = max(max(blocks_per_seq), 1)
-    table = torch.zeros(len(kv_lens), max_blocks, dtype=torch.int32)
+    table = torch.zeros(len(seq_len), max_blocks, dtype=torch.int32)
     k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
-    new_k, new_v, slots = [], [], []
-    for b, (kv_len, q_len) in enumerate(zip(kv_lens, q_lens)):
+    new_k, new_v, slots_mapping = [], [], []
+    for b, (n_keys, q_len) in enumerate(zip(seq_len, q_lens)):
         table[b, :blocks_per_seq[b]] = torch.tensor(owned[:blocks_per_seq[b]], dtype=torch.int32)
         owned = owned[blocks_per_seq[b]:]
-        j = torch.arange(kv_len)
+        j = torch.arange(n_keys)
         flat = table[b, j // block_size].long() * block_size + j % block_size
-        cached = j < kv_len - q_len if write_new else torch.ones(kv_len, dtype=torch.bool)
+        cached = j < n_keys - q_len if write_new else torch.ones(n_keys, dtype=torch.bool)
         k_cache.view(-1, kv_heads, head_dim)[flat[cached]] = keys[b].cpu()[cached]
         v_cache.view(-1, kv_heads, head_dim)[flat[cached]] = values[b].cpu()[cached]
         if write_new:
             new_k.append(keys[b].cpu()[~cached])
             new_v.append(values[b].cpu()[~cached])
-            slots.append(flat[~cached])
+            slots_mapping.append(flat[~cached])
     scale_value = head_dim ** -0.5 if scale is None else scale
     expected = naive_attention(q, keys, values, q_lens, scale_value, sliding_window)
     inputs = {"q": q, "k_cache": k_cache.to(device), "v_cache": v_cache.to(device),
               "block_table": table.to(device),
-              "kv_lens": torch.tensor(kv_lens, dtype=torch.int32, device=device)}
+              "seq_len": torch.tensor(seq_len, dtype=torch.int32, device=device)}
     if not decode:
         starts = [0]
         for n in q_lens:
@@ -723,12 +723,12 @@ def attention_sample(dtype: torch.dtype, *, q_lens: list[int], kv_lens: list[int
     if write_new:
         inputs["k"] = torch.cat(new_k).to(device)
         inputs["v"] = torch.cat(new_v).to(device)
-        inputs["slots"] = torch.cat(slots).to(device=device, dtype=torch.int32)
+        inputs["slots_mapping"] = torch.cat(slots_mapping).to(device=device, dtype=torch.int32)
     shapes = {"q": ("num_tokens", q_heads, head_dim), "block_table": ("batch", max_blocks),
-              "kv_lens": ("batch",)}
+              "seq_len": ("batch",)}
     if write_new:
         shapes.update(k=("num_tokens", kv_heads, head_dim), v=("num_tokens", kv_heads, head_dim),
-                      slots=("num_tokens",))
+                      slots_mapping=("num_tokens",))
     return Sample(inputs, {"scale": scale, "sliding_window": sliding_window}, shapes=shapes,
                   expected={"out": expected}, out_dtype=dtype)
 
@@ -737,38 +737,38 @@ def _attention_samples(dtype: torch.dtype) -> list[Sample]:
     common = dict(q_heads=4, head_dim=16, block_size=4)
     return [
         # prefill, GQA (2 q heads per kv head), mixed lengths
-        attention_sample(dtype, q_lens=[5, 1, 9], kv_lens=[5, 1, 9], kv_heads=2, **common),
+        attention_sample(dtype, q_lens=[5, 1, 9], seq_len=[5, 1, 9], kv_heads=2, **common),
         # decode, MQA, mixed context lengths
-        attention_sample(dtype, q_lens=[1, 1, 1, 1], kv_lens=[1, 6, 9, 13], kv_heads=1,
+        attention_sample(dtype, q_lens=[1, 1, 1, 1], seq_len=[1, 6, 9, 13], kv_heads=1,
                          decode=True, **common),
         # chunked prefill: new queries after a cached context; one sequence with no new query
-        attention_sample(dtype, q_lens=[3, 4, 0], kv_lens=[10, 4, 6], kv_heads=2, **common),
+        attention_sample(dtype, q_lens=[3, 4, 0], seq_len=[10, 4, 6], kv_heads=2, **common),
         # sliding window and an explicit scale, prefill and decode
-        attention_sample(dtype, q_lens=[7, 3], kv_lens=[7, 11], kv_heads=2, sliding_window=3,
+        attention_sample(dtype, q_lens=[7, 3], seq_len=[7, 11], kv_heads=2, sliding_window=3,
                          scale=0.3, **common),
-        attention_sample(dtype, q_lens=[1, 1], kv_lens=[9, 3], kv_heads=4, sliding_window=4,
+        attention_sample(dtype, q_lens=[1, 1], seq_len=[9, 3], kv_heads=4, sliding_window=4,
                          decode=True, **common),
     ]
 
 
-def _attention_fn(q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None, scale=None,
+def _attention_fn(q, k_cache, v_cache, block_table, seq_len, query_start_loc=None, scale=None,
                   sliding_window=None):
-    return F.paged_attention(q, k_cache, v_cache, block_table, kv_lens, query_start_loc,
+    return F.paged_attention(q, k_cache, v_cache, block_table, seq_len, query_start_loc,
                              scale=scale, sliding_window=sliding_window)
 
 
 def _chunked_write_samples(dtype: torch.dtype) -> list[Sample]:
-    return [attention_sample(dtype, q_lens=[3, 5, 1], kv_lens=[9, 5, 4], q_heads=4, kv_heads=2,
+    return [attention_sample(dtype, q_lens=[3, 5, 1], seq_len=[9, 5, 4], q_heads=4, kv_heads=2,
                              head_dim=16, block_size=4, write_new=True),
-            attention_sample(dtype, q_lens=[1, 1, 1], kv_lens=[3, 8, 1], q_heads=4, kv_heads=2,
+            attention_sample(dtype, q_lens=[1, 1, 1], seq_len=[3, 8, 1], q_heads=4, kv_heads=2,
                              head_dim=16, block_size=4, write_new=True, decode=True,
                              sliding_window=2)]
 
 
-def _write_then_attend(q, k, v, k_cache, v_cache, slots, block_table, kv_lens,
+def _write_then_attend(q, k, v, k_cache, v_cache, slots_mapping, block_table, seq_len,
                        query_start_loc=None, scale=None, sliding_window=None):
-    k_cache, v_cache = F.reshape_and_cache(k, v, k_cache, v_cache, slots)
-    return _attention_fn(q, k_cache, v_cache, block_table, kv_lens, query_start_loc, scale,
+    k_cache, v_cache = F.reshape_and_cache(k, v, k_cache, v_cache, slots_mapping)
+    return _attention_fn(q, k_cache, v_cache, block_table, seq_len, query_start_loc, scale,
                          sliding_window)
 
 
@@ -791,15 +791,15 @@ def _silu_mul_samples(dtype: torch.dtype) -> list[Sample]:
                    shapes={"gate": ("num_tokens", 16), "up": ("num_tokens", 16)})]
 
 
-def _rope_cache_fn(q, k, v, cos, sin, k_cache, v_cache, slots, interleaved):
+def _rope_cache_fn(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, interleaved):
     q_rot, k_rot = F.rope(q, k, cos, sin, interleaved)
-    kc, vc = F.reshape_and_cache(k_rot, v, k_cache, v_cache, slots)
+    kc, vc = F.reshape_and_cache(k_rot, v, k_cache, v_cache, slots_mapping)
     return q_rot, kc, vc
 
 
-def _rope_cache_expect(q, k, v, cos, sin, k_cache, v_cache, slots, interleaved):
+def _rope_cache_expect(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, interleaved):
     kc, vc = cache_write_expect(rope_expect_one(k, cos, sin, interleaved).to(k_cache.dtype), v,
-                                k_cache, v_cache, slots)
+                                k_cache, v_cache, slots_mapping)
     return rope_expect_one(q, cos, sin, interleaved), kc, vc
 
 
@@ -807,20 +807,20 @@ def _rope_cache_samples(dtype: torch.dtype) -> list[Sample]:
     out = []
     for interleaved in (False, True):
         cos, sin = rope_tables(torch.tensor([3, 4, 5, 0, 9, 1]), 8, torch.float32)
-        slots = torch.tensor([7, -1, 0, 12, 3, 19], dtype=torch.int32)
+        slots_mapping = torch.tensor([7, -1, 0, 12, 3, 19], dtype=torch.int32)
         out.append(Sample({"q": rand(6, 4, 16, dtype=dtype), "k": rand(6, 2, 16, dtype=dtype),
                            "v": rand(6, 2, 16, dtype=dtype), "cos": cos, "sin": sin,
                            "k_cache": rand(5, 4, 2, 16, dtype=dtype),
-                           "v_cache": rand(5, 4, 2, 16, dtype=dtype), "slots": slots},
+                           "v_cache": rand(5, 4, 2, 16, dtype=dtype), "slots_mapping": slots_mapping},
                           {"interleaved": interleaved}))
     return out
 
 
-def _rope_attention_fn(q, k, v, cos, sin, k_cache, v_cache, slots, block_table, kv_lens,
+def _rope_attention_fn(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, block_table, seq_len,
                        interleaved=False, scale=None, sliding_window=None):
     q_rot, k_rot = F.rope(q, k, cos, sin, interleaved)
-    kc, vc = F.reshape_and_cache(k_rot, v, k_cache, v_cache, slots)
-    return _attention_fn(q_rot, kc, vc, block_table, kv_lens, None, scale, sliding_window)
+    kc, vc = F.reshape_and_cache(k_rot, v, k_cache, v_cache, slots_mapping)
+    return _attention_fn(q_rot, kc, vc, block_table, seq_len, None, scale, sliding_window)
 
 
 def _rope_attention_samples(dtype: torch.dtype) -> list[Sample]:
@@ -830,7 +830,7 @@ def _rope_attention_samples(dtype: torch.dtype) -> list[Sample]:
 
     out = []
     for interleaved, window in ((False, None), (True, 2)):
-        s = attention_sample(dtype, q_lens=[1, 1, 1], kv_lens=[3, 8, 1], q_heads=4, kv_heads=2,
+        s = attention_sample(dtype, q_lens=[1, 1, 1], seq_len=[3, 8, 1], q_heads=4, kv_heads=2,
                              head_dim=16, block_size=4, write_new=True, decode=True,
                              sliding_window=window)
         angles = torch.rand(3, 8) * 6.0
@@ -839,7 +839,7 @@ def _rope_attention_samples(dtype: torch.dtype) -> list[Sample]:
             s.inputs[name] = _rotate(s.inputs[name], cos, -sin, interleaved)
         s.inputs.update(cos=cos, sin=sin)
         s.shapes.update(cos=("batch", 8), sin=("batch", 8))
-        for name in ("q", "k", "v", "slots"):
+        for name in ("q", "k", "v", "slots_mapping"):
             s.shapes[name] = ("batch",) + tuple(s.shapes[name][1:])
         s.kwargs["interleaved"] = interleaved
         out.append(s)
@@ -1068,9 +1068,9 @@ def _lora_prologue_info(prologue: str) -> OpInfo:
 # The producer of a LoRA linear's input folded into its shrink (LoraPrologue).
 LORA_PROLOGUE_INFOS = [_lora_prologue_info(p) for p in ("rms_norm", "add_rms_norm")]
 
-def _sdpa_fn(q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None, scale=None,
+def _sdpa_fn(q, k_cache, v_cache, block_table, seq_len, query_start_loc=None, scale=None,
              sliding_window=None):
-    return F.sdpa_attention(q, k_cache, v_cache, block_table, kv_lens, query_start_loc,
+    return F.sdpa_attention(q, k_cache, v_cache, block_table, seq_len, query_start_loc,
                             scale=scale, sliding_window=sliding_window)
 
 
@@ -1246,13 +1246,13 @@ def _gpu_cases(dtype: torch.dtype) -> list[tuple[OpInfo, Callable[[], Sample]]]:
                                                "w": r(32000, 2048)})),
         (by_name["softmax"], lambda: Sample({"x": r(64, 32000, lo=-8, hi=8)}, {"dim": -1})),
         (by_name["paged_attention"], lambda: attention_sample(
-            dtype, q_lens=[1000, 37, 511], kv_lens=[1000, 37, 511], q_heads=32, kv_heads=8,
+            dtype, q_lens=[1000, 37, 511], seq_len=[1000, 37, 511], q_heads=32, kv_heads=8,
             head_dim=128, block_size=16, device=dev)),
         (by_name["paged_attention"], lambda: attention_sample(
-            dtype, q_lens=[1] * 16, kv_lens=[1 + 131 * i for i in range(16)], q_heads=32,
+            dtype, q_lens=[1] * 16, seq_len=[1 + 131 * i for i in range(16)], q_heads=32,
             kv_heads=8, head_dim=128, block_size=16, decode=True, device=dev)),
         (by_name["paged_attention"], lambda: attention_sample(
-            dtype, q_lens=[256, 1, 64], kv_lens=[1024, 700, 64], q_heads=28, kv_heads=4,
+            dtype, q_lens=[256, 1, 64], seq_len=[1024, 700, 64], q_heads=28, kv_heads=4,
             head_dim=64, block_size=16, sliding_window=128, device=dev)),
     ]
 

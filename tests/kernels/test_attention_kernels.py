@@ -44,19 +44,19 @@ class PagedCase:
     """A batch of sequences with dense K/V (for the reference) and the same K/V paged."""
 
     q: torch.Tensor  # [T, Hq, D] packed queries (the last q_len of each sequence)
-    k_dense: list[torch.Tensor]  # per seq [kv_len, Hk, D]
+    k_dense: list[torch.Tensor]  # per seq [seq_len, Hk, D]
     v_dense: list[torch.Tensor]
     k_cache: torch.Tensor  # [num_blocks, block_size, Hk, D]
     v_cache: torch.Tensor
     block_table: torch.Tensor  # int32 [B, max_blocks]
-    kv_lens: torch.Tensor  # int32 [B]
+    seq_len: torch.Tensor  # int32 [B]
     query_start_loc: torch.Tensor  # int32 [B + 1]
     q_lens: list[int]
 
 
 def make_case(
     q_lens: list[int],
-    kv_lens: list[int],
+    seq_len: list[int],
     num_q_heads: int,
     num_kv_heads: int,
     head_dim: int,
@@ -72,8 +72,8 @@ def make_case(
         strided: make q a view of a wider (qkv-like) buffer and the block table a column-strided
             view, to check that kernels honour strides.
     """
-    assert len(q_lens) == len(kv_lens) and all(q <= kv for q, kv in zip(q_lens, kv_lens))
-    pages = [math.ceil(n / block_size) for n in kv_lens]
+    assert len(q_lens) == len(seq_len) and all(q <= kv for q, kv in zip(q_lens, seq_len))
+    pages = [math.ceil(n / block_size) for n in seq_len]
     max_blocks = max(max(pages), 1) + extra_blocks  # columns past a seq's pages are never read
     num_blocks = sum(pages) + 1  # + one all-NaN page that unused table entries point at
     nan_page = num_blocks - 1
@@ -81,9 +81,9 @@ def make_case(
     k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
     order = torch.randperm(num_blocks - 1).tolist()  # shuffled physical pages
-    table = torch.full((len(kv_lens), max_blocks), nan_page, dtype=torch.int32)
+    table = torch.full((len(seq_len), max_blocks), nan_page, dtype=torch.int32)
     k_dense, v_dense = [], []
-    for b, n in enumerate(kv_lens):
+    for b, n in enumerate(seq_len):
         ids = [order.pop() for _ in range(pages[b])]
         table[b, : pages[b]] = torch.tensor(ids, dtype=torch.int32)
         k = torch.randn(n, num_kv_heads, head_dim, device=device).to(dtype)
@@ -99,7 +99,7 @@ def make_case(
         # q is the first Hq heads of a [T, Hq + 2 Hk, D] buffer, like a fused qkv projection.
         buf = torch.randn(total_q, num_q_heads + 2 * num_kv_heads, head_dim, device=device)
         q = buf.to(dtype)[:, :num_q_heads]
-        wide = torch.full((len(kv_lens), 2 * max_blocks), nan_page, dtype=torch.int32)
+        wide = torch.full((len(seq_len), 2 * max_blocks), nan_page, dtype=torch.int32)
         wide[:, ::2] = table
         block_table = wide.to(device)[:, ::2]
         assert not block_table.is_contiguous()
@@ -110,7 +110,7 @@ def make_case(
     qsl[1:] = torch.tensor(q_lens).cumsum(0)
     return PagedCase(
         q=q, k_dense=k_dense, v_dense=v_dense, k_cache=k_cache, v_cache=v_cache,
-        block_table=block_table, kv_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        block_table=block_table, seq_len=torch.tensor(seq_len, dtype=torch.int32, device=device),
         query_start_loc=qsl.to(device), q_lens=list(q_lens),
     )
 
@@ -122,7 +122,7 @@ def reference_attention(
     """Dense causal (+ window) GQA attention of ``q [n, Hq, D]`` at ``positions`` over ``k, v``.
 
     Query chunks of 512 bound the score memory at long contexts. Rows with no visible key
-    (kv_len 0) give zeros, the kernels' convention.
+    (seq_len 0) give zeros, the kernels' convention.
     """
     n, num_q_heads, _ = q.shape
     group = num_q_heads // k.shape[1]
@@ -149,9 +149,9 @@ def reference_prefill(
 ) -> torch.Tensor:
     outs = []
     for b, q_len in enumerate(case.q_lens):
-        kv_len = case.k_dense[b].shape[0]
+        seq_len = case.k_dense[b].shape[0]
         start = int(case.query_start_loc[b])
-        positions = torch.arange(kv_len - q_len, kv_len, device=case.q.device)
+        positions = torch.arange(seq_len - q_len, seq_len, device=case.q.device)
         outs.append(reference_attention(
             case.q[start : start + q_len], case.k_dense[b], case.v_dense[b], positions, scale,
             window, compute_dtype,
@@ -177,7 +177,7 @@ def reference_decode(case: PagedCase, q: torch.Tensor, scale: float, window: int
 
 def run_prefill(case: PagedCase, scale=None, window=None, max_query_len=None) -> torch.Tensor:
     out = torch.full_like(case.q, float("nan"))
-    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                             case.query_start_loc, scale, window, out, max_query_len)
     return out
 
@@ -185,7 +185,7 @@ def run_prefill(case: PagedCase, scale=None, window=None, max_query_len=None) ->
 def run_decode(case: PagedCase, q: torch.Tensor, scale=None, window=None, num_splits=None,
                workspace=None) -> torch.Tensor:
     out = torch.full_like(q, float("nan"))
-    paged_attention_decode(q, case.k_cache, case.v_cache, case.block_table, case.kv_lens, scale,
+    paged_attention_decode(q, case.k_cache, case.v_cache, case.block_table, case.seq_len, scale,
                            window, out, num_splits, workspace=workspace)
     return out
 
@@ -222,9 +222,9 @@ def test_prefill_matches_reference(dtype, gqa, window):
 # inside every row's window (the unmasked middle range), with its lower edge exactly on a tile.
 @pytest.mark.parametrize("window, block_size", [(None, 16), (20, 32), (31, 16)])
 def test_chunked_prefill_with_cached_context(window, block_size):
-    # (q_len, kv_len): chunk after context, a single-token chunk, chunk straddling pages, plain.
-    q_lens, kv_lens = [7, 1, 19, 37], [40, 23, 50, 37]
-    case = make_case(q_lens, kv_lens, 4, 2, 32, block_size, torch.float32)
+    # (q_len, seq_len): chunk after context, a single-token chunk, chunk straddling pages, plain.
+    q_lens, seq_len = [7, 1, 19, 37], [40, 23, 50, 37]
+    case = make_case(q_lens, seq_len, 4, 2, 32, block_size, torch.float32)
     out = run_prefill(case, scale=0.3, window=window)
     assert_close(out, reference_prefill(case, 0.3, window))
 
@@ -249,14 +249,14 @@ def test_prefill_every_chunk_alignment(config, window):
     # default (and the packed config) put 2 heads in a tile: BLOCK_P = BLOCK_M / 2 positions.
     ctx = list(range(34))
     q_lens = [1 + c % 3 for c in ctx]
-    kv_lens = [c + n for c, n in zip(ctx, q_lens)]
-    case = make_case(q_lens, kv_lens, 2, 1, 16, 16, torch.float32)
+    seq_len = [c + n for c, n in zip(ctx, q_lens)]
+    case = make_case(q_lens, seq_len, 2, 1, 16, 16, torch.float32)
     if config is None:
         out = run_prefill(case, window=window)
     else:
         out = torch.full_like(case.q, float("nan"))
         attention_prefill.launch_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
-                                         case.kv_lens, case.query_start_loc, 0.25, window, out,
+                                         case.seq_len, case.query_start_loc, 0.25, window, out,
                                          config)
     assert_close(out, reference_prefill(case, 0.25, window))
 
@@ -265,7 +265,7 @@ def test_prefill_strided_q_and_block_table():
     case = make_case([9, 30], [9, 41], 4, 1, 16, 16, torch.float32, strided=True)
     out_buf = torch.full((case.q.shape[0], 6, 16), float("nan"))
     out = out_buf[:, 1:5]  # row-strided output view
-    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                             case.query_start_loc, None, None, out)
     assert_close(out, reference_prefill(case, 0.25, None))
     # Heads outside the view must stay untouched.
@@ -284,7 +284,7 @@ def test_prefill_single_sequence_and_empty_chunks():
 def test_prefill_padded_to_a_captured_signature(new_keys):
     # What a captured prefill graph runs (tgraph.models.base.batch.pad_prefill_arrays): pad
     # token rows after the real ones that belong to no sequence, and empty pad sequences
-    # (query_start_loc stays at the real token count, kv_len 0). Real rows must equal the
+    # (query_start_loc stays at the real token count, seq_len 0). Real rows must equal the
     # unpadded reference and no program may write a pad row (they stay NaN).
     case = make_case([5, 9], [5, 12], 4, 2, 16, 16, torch.float32)
     ref = reference_prefill(case, 0.25, None)
@@ -295,7 +295,7 @@ def test_prefill_padded_to_a_captured_signature(new_keys):
     table = torch.cat([case.block_table, torch.full((pad_seqs, case.block_table.shape[1]),
                                                     nan_page, dtype=torch.int32,
                                                     device=case.q.device)])
-    kv_lens = torch.cat([case.kv_lens, case.kv_lens.new_zeros(pad_seqs)])
+    seq_len = torch.cat([case.seq_len, case.seq_len.new_zeros(pad_seqs)])
     qsl = torch.cat([case.query_start_loc, case.query_start_loc[-1:].repeat(pad_seqs)])
     new_kv = None
     if new_keys:
@@ -304,7 +304,7 @@ def test_prefill_padded_to_a_captured_signature(new_keys):
                          device=k_new.device)
         new_kv = (torch.cat([k_new, pad]), torch.cat([v_new, pad]))
     out = torch.full_like(q, float("nan"))
-    paged_attention_prefill(q, case.k_cache, case.v_cache, table, kv_lens, qsl, 0.25, None, out,
+    paged_attention_prefill(q, case.k_cache, case.v_cache, table, seq_len, qsl, 0.25, None, out,
                             new_kv=new_kv)
     real = case.q.shape[0]
     assert_close(out[:real], ref)
@@ -325,9 +325,9 @@ def new_kv_rows(case: PagedCase, strided: bool = False) -> tuple[torch.Tensor, t
     buf_v = buf_k.clone()
     k_new, v_new = (buf_k[:, heads:2 * heads], buf_v[:, 2 * heads:]) if strided else (buf_k, buf_v)
     for b, q_len in enumerate(case.q_lens):
-        kv_len = case.k_dense[b].shape[0]
+        seq_len = case.k_dense[b].shape[0]
         start = int(case.query_start_loc[b])
-        if kv_len == q_len:
+        if seq_len == q_len:
             k_new[start:start + q_len] = case.k_dense[b]
             v_new[start:start + q_len] = case.v_dense[b]
     return k_new, v_new
@@ -360,14 +360,14 @@ NEW_KV_CONFIGS = [
 def test_prefill_reads_new_keys_of_fresh_sequences(config, tma, window):
     # Fresh sequences (context 0) of ragged lengths next to chunks after cached context and an
     # empty chunk; the fresh ones' cache slots are NaN, the others' new rows are NaN.
-    q_lens, kv_lens = [37, 7, 1, 0, 16, 21], [37, 40, 1, 9, 16, 50]
-    case = make_case(q_lens, kv_lens, 4, 2, 16, 16, torch.float32)
+    q_lens, seq_len = [37, 7, 1, 0, 16, 21], [37, 40, 1, 9, 16, 50]
+    case = make_case(q_lens, seq_len, 4, 2, 16, 16, torch.float32)
     ref = reference_prefill(case, 0.25, window)
     k_new, v_new = new_kv_rows(case, strided=True)
     poison_new_slots_of_fresh_sequences(case)
     out = torch.full_like(case.q, float("nan"))
     attention_prefill.launch_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
-                                     case.kv_lens, case.query_start_loc, 0.25, window, out,
+                                     case.seq_len, case.query_start_loc, 0.25, window, out,
                                      dataclasses.replace(config, tma=tma), (k_new, v_new))
     assert_close(out, ref)
 
@@ -379,7 +379,7 @@ def test_prefill_new_keys_half_precision(dtype):
     k_new, v_new = new_kv_rows(case)
     poison_new_slots_of_fresh_sequences(case)
     out = torch.full_like(case.q, float("nan"))
-    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                             case.query_start_loc, None, None, out, new_kv=(k_new, v_new))
     assert_close(out, ref)
 
@@ -396,11 +396,11 @@ def test_prefill_new_keys_half_precision(dtype):
 @pytest.mark.parametrize("window", [None, 9])
 def test_prefill_tile_shapes(config, window):
     # The GPU heuristics use tiles larger than pages and BLOCK_M != BLOCK_N; check those paths.
-    q_lens, kv_lens = [70, 3, 17], [70, 40, 17]
-    case = make_case(q_lens, kv_lens, 2, 1, 16, 16, torch.float32)
+    q_lens, seq_len = [70, 3, 17], [70, 40, 17]
+    case = make_case(q_lens, seq_len, 2, 1, 16, 16, torch.float32)
     out = torch.full_like(case.q, float("nan"))
     attention_prefill.launch_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
-                                     case.kv_lens, case.query_start_loc, 0.25, window, out, config)
+                                     case.seq_len, case.query_start_loc, 0.25, window, out, config)
     assert_close(out, reference_prefill(case, 0.25, window))
 
 
@@ -435,7 +435,7 @@ def test_heads_per_tile(group, block_m, heads):
 def _launch_prefill(case: PagedCase, config, scale: float, window: int | None) -> torch.Tensor:
     out = torch.full_like(case.q, float("nan"))
     attention_prefill.launch_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
-                                     case.kv_lens, case.query_start_loc, scale, window, out,
+                                     case.seq_len, case.query_start_loc, scale, window, out,
                                      config)
     return out
 
@@ -478,8 +478,8 @@ def _variant_id(v) -> str:
                          ids=[_variant_id(v) for v in PACKED_VARIANTS])
 def test_prefill_variants_match_reference(gqa, num_kv_heads, window, block_size, config, dtype):
     """GQA packing, page prefetch and the one-/three-loop walks, on ragged chunked batches."""
-    q_lens, kv_lens = VARIANT_LENS if gqa < 16 else SHORT_VARIANT_LENS
-    case = make_case(q_lens, kv_lens, gqa * num_kv_heads, num_kv_heads, 16, block_size, dtype)
+    q_lens, seq_len = VARIANT_LENS if gqa < 16 else SHORT_VARIANT_LENS
+    case = make_case(q_lens, seq_len, gqa * num_kv_heads, num_kv_heads, 16, block_size, dtype)
     out = _launch_prefill(case, config, 0.3, window)
     assert_close(out, reference_prefill(case, 0.3, window))
 
@@ -525,7 +525,7 @@ def new_key_case(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, r
 def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, compute_dtype):
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     out = torch.full_like(q_raw, float("nan"))
-    paged_attention_decode(q_raw, k_cache, v_cache, case.block_table, case.kv_lens, None, window,
+    paged_attention_decode(q_raw, k_cache, v_cache, case.block_table, case.seq_len, None, window,
                            out, num_splits, new_key=new_key)
     head_dim = q_raw.shape[-1]
     assert_close(out, reference_decode(case, q_rot, head_dim ** -0.5, window, compute_dtype))
@@ -535,12 +535,12 @@ def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, comput
     # of the cache dtype: the kernel may contract x*c - y*s into an FMA, and Triton's interpreter
     # rounds fp32 -> bf16 differently from torch (measured: 1 ulp apart at most).
     ulp = {torch.float32: 2 ** -22, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[q_raw.dtype]
-    for b, slot in enumerate(new_key.slots.tolist()):
+    for b, slot in enumerate(new_key.slots_mapping.tolist()):
         if slot >= 0:
             assert torch.equal(flat_v[slot], new_key.v[b])
             torch.testing.assert_close(flat_k[slot], k_rot[b], rtol=ulp, atol=ulp)
     untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device=flat_k.device)
-    untouched[[s for s in new_key.slots.tolist() if s >= 0]] = False
+    untouched[[s for s in new_key.slots_mapping.tolist() if s >= 0]] = False
     ref_k = case.k_cache.view(-1, *k_cache.shape[2:])
     assert torch.equal(flat_k[untouched].isnan(), ref_k[untouched].isnan())
 
@@ -566,7 +566,7 @@ def test_decode_new_key_rejects_bad_input():
     out = torch.empty_like(q_raw)
 
     def run(**over):
-        paged_attention_decode(q_raw, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+        paged_attention_decode(q_raw, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                                None, None, out, new_key=dataclasses.replace(nk, **over))
 
     with pytest.raises(ValueError, match=r"new_key.k must be \[B, Hk, D\]"):
@@ -575,8 +575,8 @@ def test_decode_new_key_rejects_bad_input():
         run(cos=nk.cos.double())
     with pytest.raises(ValueError, match="2 <= R <= D=16"):
         run(cos=torch.zeros(2, 9), sin=torch.zeros(2, 9))
-    with pytest.raises(ValueError, match="new_key.slots must be int32/int64"):
-        run(slots=nk.slots.float())
+    with pytest.raises(ValueError, match="new_key.slots_mapping must be int32/int64"):
+        run(slots_mapping=nk.slots_mapping.float())
     with pytest.raises(ValueError, match="new_key.v must be"):
         run(v=nk.v.half())
 
@@ -612,7 +612,7 @@ def test_decode_page_prefetch_matches_reference(window, num_splits):
     out = torch.full_like(q, float("nan"))
     config = attention_decode.DecodeConfig(block_n=16, num_warps=4, num_stages=1,
                                            prefetch_pages=True)
-    attention_decode.launch_decode(q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+    attention_decode.launch_decode(q, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                                    0.25, window, out, num_splits, None, config)
     assert_close(out, reference_decode(case, q, 0.25, window))
 
@@ -692,7 +692,7 @@ def test_decode_config_by_grid():
 def _decode_args(**over):
     case = make_case([5], [5], 4, 2, 16, 16, torch.float32)
     args = dict(q=torch.randn(1, 4, 16), k_cache=case.k_cache, v_cache=case.v_cache,
-                block_table=case.block_table, kv_lens=case.kv_lens, scale=None,
+                block_table=case.block_table, seq_len=case.seq_len, scale=None,
                 sliding_window=None, out=torch.empty(1, 4, 16))
     args.update(over)
     return args
@@ -704,7 +704,7 @@ def _decode_args(**over):
         (dict(q=torch.randn(1, 4, 16, dtype=torch.float64)), TypeError, "float32, float16"),
         (dict(out=torch.empty(1, 4, 16, dtype=torch.float16)), TypeError, "out must have q's"),
         (dict(block_table=torch.zeros(1, 3, dtype=torch.int64)), TypeError, "must be int32"),
-        (dict(kv_lens=torch.tensor([5, 5], dtype=torch.int32)), ValueError, "kv_lens must be 1-D"),
+        (dict(seq_len=torch.tensor([5, 5], dtype=torch.int32)), ValueError, "seq_len must be 1-D"),
         (dict(q=torch.randn(1, 3, 16), out=torch.empty(1, 3, 16)), ValueError, "multiple of Hk"),
         (dict(q=torch.randn(1, 4, 24), out=torch.empty(1, 4, 24)), ValueError, "head_dim"),
         (dict(out=torch.empty(2, 4, 16)), ValueError, "out must have q's shape"),
@@ -724,17 +724,17 @@ def test_prefill_rejects_bad_input():
     case = make_case([5], [5], 4, 2, 16, 16, torch.float32)
     out = torch.empty_like(case.q)
     with pytest.raises(TypeError, match="query_start_loc must be int32"):
-        paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+        paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                                 case.query_start_loc.long(), None, None, out)
     with pytest.raises(ValueError, match=r"\[B \+ 1\]"):
-        paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+        paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                                 case.query_start_loc[:1], None, None, out)
     with pytest.raises(ValueError, match="v_cache shape"):
         paged_attention_prefill(case.q, case.k_cache, case.v_cache[:, :8], case.block_table,
-                                case.kv_lens, case.query_start_loc, None, None, out)
+                                case.seq_len, case.query_start_loc, None, None, out)
     with pytest.raises(ValueError, match="q must be 3-D"):
         paged_attention_prefill(case.q[0], case.k_cache, case.v_cache, case.block_table,
-                                case.kv_lens, case.query_start_loc, None, None, out[0])
+                                case.seq_len, case.query_start_loc, None, None, out[0])
     k_new, v_new = new_kv_rows(case)
     bad_new_kv = [
         ((k_new,), TypeError, "pair"),
@@ -745,7 +745,7 @@ def test_prefill_rejects_bad_input():
     for new_kv, exc, match in bad_new_kv:
         with pytest.raises(exc, match=match):
             paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
-                                    case.kv_lens, case.query_start_loc, None, None, out,
+                                    case.seq_len, case.query_start_loc, None, None, out,
                                     new_kv=new_kv)
 
 
@@ -764,8 +764,8 @@ GPU_HEADS = [(32, 32), (32, 8), (32, 4)]
 @pytest.mark.parametrize("window", [None, 1024])
 def test_gpu_prefill(dtype, heads, head_dim, block_size, window):
     # Plain prefills up to 2048 plus a 512-token chunk after 7680 tokens of context (8192 total).
-    q_lens, kv_lens = [2048, 1, 333, 512], [2048, 1, 333, 8192]
-    case = make_case(q_lens, kv_lens, heads[0], heads[1], head_dim, block_size, dtype)
+    q_lens, seq_len = [2048, 1, 333, 512], [2048, 1, 333, 8192]
+    case = make_case(q_lens, seq_len, heads[0], heads[1], head_dim, block_size, dtype)
     out = run_prefill(case, window=window, max_query_len=max(q_lens))
     ref = reference_prefill(case, 1 / math.sqrt(head_dim), window, torch.float32)
     assert_close(out, ref)
@@ -773,7 +773,7 @@ def test_gpu_prefill(dtype, heads, head_dim, block_size, window):
     new_kv = new_kv_rows(case, strided=True)
     poison_new_slots_of_fresh_sequences(case)
     out = torch.full_like(case.q, float("nan"))
-    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+    paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                             case.query_start_loc, None, window, out, max(q_lens), new_kv=new_kv)
     assert_close(out, ref)
 
@@ -796,7 +796,7 @@ def test_gpu_decode(dtype, heads, head_dim, block_size, window):
         for splits in (1, 8):
             out = torch.full_like(q, float("nan"))
             attention_decode.launch_decode(q, case.k_cache, case.v_cache, case.block_table,
-                                           case.kv_lens, 1 / math.sqrt(head_dim), window, out,
+                                           case.seq_len, 1 / math.sqrt(head_dim), window, out,
                                            splits, None, config)
             assert_close(out, ref)
 
@@ -827,8 +827,8 @@ GPU_PREFILL_CONFIGS = [
 def test_gpu_prefill_variants(dtype, heads, block_size, window):
     """Every kernel variant (packing, prefetch, loop structure, tile shapes) at d=128, 8k context."""
     d = 128
-    q_lens, kv_lens = [2048, 1, 333, 512], [2048, 100, 333, 8192]
-    case = make_case(q_lens, kv_lens, heads[0], heads[1], d, block_size, dtype)
+    q_lens, seq_len = [2048, 1, 333, 512], [2048, 100, 333, 8192]
+    case = make_case(q_lens, seq_len, heads[0], heads[1], d, block_size, dtype)
     ref = reference_prefill(case, d ** -0.5, window, torch.float32)
     for config in GPU_PREFILL_CONFIGS:
         out = _launch_prefill(case, config, d ** -0.5, window)
@@ -844,7 +844,7 @@ def test_gpu_prefill_variants(dtype, heads, block_size, window):
         for tma in (True, False):
             out = torch.full_like(case.q, float("nan"))
             attention_prefill.launch_prefill(
-                case.q, case.k_cache, case.v_cache, case.block_table, case.kv_lens,
+                case.q, case.k_cache, case.v_cache, case.block_table, case.seq_len,
                 case.query_start_loc, d ** -0.5, window, out,
                 dataclasses.replace(config, tma=tma), new_kv)
             assert_close(out, ref)
@@ -872,19 +872,19 @@ def test_gpu_sweep_candidates_are_correct():
 
 @pytest.mark.gpu
 def test_gpu_cuda_graph_capture_and_replay():
-    """Both kernels capture into one CUDA graph, and decode follows new kv_lens on replay."""
+    """Both kernels capture into one CUDA graph, and decode follows new seq_len on replay."""
     dtype, hq, hk, d, bs = torch.bfloat16, 32, 8, 128, 16
     lens = [300, 1000, 17]
     case = make_case(lens, lens, hq, hk, d, bs, dtype, extra_blocks=64)
     q_dec = decode_query(case, hq, d)
     out_pre = torch.empty_like(case.q)
     out_dec = torch.empty_like(q_dec)
-    kv_lens = case.kv_lens.clone()  # decode's; changed between replays
+    seq_len = case.seq_len.clone()  # decode's; changed between replays
 
     def step():
         paged_attention_prefill(case.q, case.k_cache, case.v_cache, case.block_table,
-                                case.kv_lens, case.query_start_loc, None, None, out_pre)
-        paged_attention_decode(q_dec, case.k_cache, case.v_cache, case.block_table, kv_lens,
+                                case.seq_len, case.query_start_loc, None, None, out_pre)
+        paged_attention_decode(q_dec, case.k_cache, case.v_cache, case.block_table, seq_len,
                                None, None, out_dec)
 
     graph = capture_cuda_graph(step)
@@ -897,13 +897,13 @@ def test_gpu_cuda_graph_capture_and_replay():
 
     # Decode with shorter contexts on replay: same graph, new device values (prefill unchanged).
     short = [n - 5 for n in lens]
-    kv_lens.copy_(torch.tensor(short, dtype=torch.int32))
+    seq_len.copy_(torch.tensor(short, dtype=torch.int32))
     out_dec.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
     truncated = PagedCase(case.q, [k[:n] for k, n in zip(case.k_dense, short)],
                           [v[:n] for v, n in zip(case.v_dense, short)], case.k_cache, case.v_cache,
-                          case.block_table, kv_lens, case.query_start_loc, case.q_lens)
+                          case.block_table, seq_len, case.query_start_loc, case.q_lens)
     assert_close(out_dec, reference_decode(truncated, q_dec, d**-0.5, None, torch.float32))
 
 

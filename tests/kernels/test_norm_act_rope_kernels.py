@@ -424,13 +424,13 @@ def _bad_calls() -> dict:
         "cache_slots_float": (
             lambda: rope_and_cache(q, k, k, cos, cos, cache, cache, slots.float(), q, k, False),
             ValueError,
-            "rope_and_cache: slots: expected dtype int32, int64",
+            "rope_and_cache: slots_mapping: expected dtype int32, int64",
         ),
         "cache_heads": (
             lambda: reshape_and_cache(k, k, wide_cache, wide_cache, slots), ValueError, "k_cache: expected shape"
         ),
         "cache_slots_len": (
-            lambda: reshape_and_cache(k, k, cache, cache, slots[:2]), ValueError, "slots: .*one slot per token"
+            lambda: reshape_and_cache(k, k, cache, cache, slots[:2]), ValueError, "slots_mapping: .*one slot per token"
         ),
         "embedding_ids": (lambda: embedding(randn(3), w[None], randn(3, 8)), ValueError, "embedding: ids: expected"),
         "embedding_out": (lambda: embedding(slots, randn(5, 8), randn(3, 7)), ValueError, "out: expected shape"),

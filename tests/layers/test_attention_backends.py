@@ -25,14 +25,14 @@ RULES_DIR = Path(__file__).parents[2] / "configs" / "rules"
 
 
 # ---------------------------------------------------------------------------- the op itself
-def paged_case(q_lens: list[int], kv_lens: list[int], *, q_heads: int, kv_heads: int,
+def paged_case(q_lens: list[int], seq_len: list[int], *, q_heads: int, kv_heads: int,
                head_dim: int, block_size: int, dtype: torch.dtype = torch.float32,
                device: str = "cpu", seed: int = 0) -> tuple[dict[str, torch.Tensor],
                                                             list[torch.Tensor],
                                                             list[torch.Tensor]]:
     """Packed queries and per-sequence K/V paged into a cache through shuffled blocks.
 
-    Slots that hold no key are NaN (block 0 is never owned), so reading past ``kv_len`` shows.
+    Slots that hold no key are NaN (block 0 is never owned), so reading past ``seq_len`` shows.
 
     Returns:
         The op's inputs, and the unpaged keys and values of each sequence.
@@ -42,15 +42,15 @@ def paged_case(q_lens: list[int], kv_lens: list[int], *, q_heads: int, kv_heads:
     def rnd(*shape: int) -> torch.Tensor:
         return (torch.rand(shape, generator=gen) * 2 - 1).to(dtype)
 
-    blocks_per_seq = [-(-n // block_size) for n in kv_lens]
+    blocks_per_seq = [-(-n // block_size) for n in seq_len]
     num_blocks = 1 + sum(blocks_per_seq) + 2
     owned = list(range(1, num_blocks))
     random.Random(seed).shuffle(owned)
     k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype)
     v_cache = torch.full_like(k_cache, float("nan"))
-    table = torch.zeros(len(kv_lens), max(blocks_per_seq) + 1, dtype=torch.int32)
+    table = torch.zeros(len(seq_len), max(blocks_per_seq) + 1, dtype=torch.int32)
     keys, values = [], []
-    for b, n in enumerate(kv_lens):
+    for b, n in enumerate(seq_len):
         mine, owned = owned[:blocks_per_seq[b]], owned[blocks_per_seq[b]:]
         table[b, :len(mine)] = torch.tensor(mine, dtype=torch.int32)
         k, v = rnd(n, kv_heads, head_dim), rnd(n, kv_heads, head_dim)
@@ -63,7 +63,7 @@ def paged_case(q_lens: list[int], kv_lens: list[int], *, q_heads: int, kv_heads:
     for n in q_lens:
         starts.append(starts[-1] + n)
     inputs = {"q": rnd(starts[-1], q_heads, head_dim), "k_cache": k_cache, "v_cache": v_cache,
-              "block_table": table, "kv_lens": torch.tensor(kv_lens, dtype=torch.int32),
+              "block_table": table, "seq_len": torch.tensor(seq_len, dtype=torch.int32),
               "query_start_loc": torch.tensor(starts, dtype=torch.int32)}
     return {k: t.to(device) for k, t in inputs.items()}, keys, values
 
@@ -74,12 +74,12 @@ def naive(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
     out = torch.zeros(q.shape, dtype=torch.float64)
     start = 0
     for k, v, n in zip(keys, values, q_lens):
-        kv_len, group = k.shape[0], q.shape[1] // k.shape[1]
+        seq_len, group = k.shape[0], q.shape[1] // k.shape[1]
         k64 = k.double().repeat_interleave(group, dim=1)
         v64 = v.double().repeat_interleave(group, dim=1)
         for i in range(n):
-            p = kv_len - n + i
-            keep = [j for j in range(kv_len) if j <= p and (window is None or p - j < window)]
+            p = seq_len - n + i
+            keep = [j for j in range(seq_len) if j <= p and (window is None or p - j < window)]
             s = torch.einsum("hd,khd->hk", q[start + i].double().cpu(), k64[keep]) * scale
             out[start + i] = torch.einsum("hk,khd->hd", torch.softmax(s, -1), v64[keep])
         start += n
@@ -88,11 +88,11 @@ def naive(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
 
 CASES = {
     # prefill, GQA (2 query heads per KV head), mixed lengths
-    "prefill_gqa": dict(q_lens=[5, 1, 9], kv_lens=[5, 1, 9], kv_heads=2),
+    "prefill_gqa": dict(q_lens=[5, 1, 9], seq_len=[5, 1, 9], kv_heads=2),
     # chunked prefill: queries after a cached prefix; a sequence scheduling no query
-    "chunked": dict(q_lens=[3, 4, 0], kv_lens=[10, 4, 6], kv_heads=2),
+    "chunked": dict(q_lens=[3, 4, 0], seq_len=[10, 4, 6], kv_heads=2),
     # sliding window (prefill and chunked) with an explicit scale, MQA
-    "window": dict(q_lens=[7, 3], kv_lens=[7, 11], kv_heads=1, window=3, scale=0.3),
+    "window": dict(q_lens=[7, 3], seq_len=[7, 11], kv_heads=1, window=3, scale=0.3),
 }
 
 
@@ -102,7 +102,7 @@ def _sdpa_net(shapes: dict[str, tuple], dtype: torch.dtype, scale: float | None,
         args = {name: Tensor(name, dtype if name in ("q", "k_cache", "v_cache") else torch.int32,
                              shape) for name, shape in shapes.items()}
         net.mark_output(F.sdpa_attention(args["q"], args["k_cache"], args["v_cache"],
-                                         args["block_table"], args["kv_lens"],
+                                         args["block_table"], args["seq_len"],
                                          args["query_start_loc"], scale=scale,
                                          sliding_window=window), "out")
     return net
@@ -116,7 +116,7 @@ def test_sdpa_op_matches_naive_attention(case: str, backend: str) -> None:
     inputs, keys, values = paged_case(q_heads=4, head_dim=16, block_size=4, **spec)
     shapes = {"q": ("num_tokens", 4, 16), "k_cache": tuple(inputs["k_cache"].shape),
               "v_cache": tuple(inputs["v_cache"].shape),
-              "block_table": ("batch", inputs["block_table"].shape[1]), "kv_lens": ("batch",),
+              "block_table": ("batch", inputs["block_table"].shape[1]), "seq_len": ("batch",),
               "query_start_loc": ("batch_plus_one",)}
     engine = _sdpa_net(shapes, torch.float32, scale, window).build_engine(backend=backend)
     assert any(st.node.op == "sdpa_attention" for st in engine.plan_for(None).steps)
@@ -277,8 +277,8 @@ def test_sdpa_op_on_gpu_realistic_shapes(dtype: torch.dtype) -> None:
     # and a short prompt plus a chunk after a 1000-token cached prefix.
     from tgraph.ir.ops.attention import paged_attention_reference
 
-    q_lens, kv_lens = [700, 33, 300], [700, 33, 1300]
-    inputs, _, _ = paged_case(q_lens, kv_lens, q_heads=32, kv_heads=8, head_dim=128,
+    q_lens, seq_len = [700, 33, 300], [700, 33, 1300]
+    inputs, _, _ = paged_case(q_lens, seq_len, q_heads=32, kv_heads=8, head_dim=128,
                               block_size=16, dtype=dtype, device="cuda")
     shapes = {k: tuple(t.shape) for k, t in inputs.items()}
     engine = _sdpa_net(shapes, dtype, None, None).build_engine()
@@ -286,7 +286,7 @@ def test_sdpa_op_on_gpu_realistic_shapes(dtype: torch.dtype) -> None:
     out = poison_like(inputs["q"])
     engine.forward(inputs, {"out": out})
     # The naive paged attention in fp32 on the same (already rounded) inputs.
-    order = ("q", "k_cache", "v_cache", "block_table", "kv_lens", "query_start_loc")
+    order = ("q", "k_cache", "v_cache", "block_table", "seq_len", "query_start_loc")
     expected = paged_attention_reference(*(inputs[k].float() if inputs[k].is_floating_point()
                                            else inputs[k] for k in order))
     # Half-precision inputs, fp32 accumulation inside SDPA's kernels and one rounding of the

@@ -12,12 +12,12 @@ from tgraph.models.base.graph import _Staging
 WIDTH = 6
 
 
-def _batch(tables, kv_lens, block_size=4):
+def _batch(tables, seq_len, block_size=4):
     n = len(tables)
-    return BatchMeta(input_ids=list(range(10, 10 + n)), positions=[k - 1 for k in kv_lens],
-                     slots=[t[(k - 1) // block_size] * block_size + (k - 1) % block_size
-                            if k else -1 for t, k in zip(tables, kv_lens)],
-                     query_lens=[1] * n, kv_lens=kv_lens, block_tables=tables, is_prefill=False)
+    return BatchMeta(input_ids=list(range(10, 10 + n)), position_ids=[k - 1 for k in seq_len],
+                     slots_mapping=[t[(k - 1) // block_size] * block_size + (k - 1) % block_size
+                            if k else -1 for t, k in zip(tables, seq_len)],
+                     query_lens=[1] * n, seq_len=seq_len, block_table=tables, is_prefill=False)
 
 
 def _staging(bucket=3):
@@ -29,11 +29,11 @@ def _staging(bucket=3):
 def _check(staging: _Staging, batch: BatchMeta) -> None:
     v = staging.views
     assert v["input_ids"].tolist() == list(batch.input_ids)
-    assert v["position_ids"].tolist() == list(batch.positions)
-    assert v["slots_mapping"].tolist() == list(batch.slots)
-    assert v["seq_len"].tolist() == list(batch.kv_lens)
-    want = block_table_array(batch.block_tables, WIDTH)
-    for i, row in enumerate(batch.block_tables):  # entries past a row's length are never read
+    assert v["position_ids"].tolist() == list(batch.position_ids)
+    assert v["slots_mapping"].tolist() == list(batch.slots_mapping)
+    assert v["seq_len"].tolist() == list(batch.seq_len)
+    want = block_table_array(batch.block_table, WIDTH)
+    for i, row in enumerate(batch.block_table):  # entries past a row's length are never read
         assert v["block_table"][i, :len(row)].tolist() == want[i, :len(row)].tolist()
     # The tensors the engine reads get the host array on upload (the graph's prologue).
     staging.upload()

@@ -194,7 +194,7 @@ def test_multi_batch_arrays_follow_adapter_and_batch_changes(lora_setup):
     swapped = multi.batch_arrays(dataclasses.replace(decode, loras=["qv", None, "mlp"]))
     assert swapped["lora_token_slots"].tolist() == [1, 0, 2]
     prefill = dataclasses.replace(decode, query_lens=[2, 1, 1], input_ids=[1, 2, 3, 4],
-                                  positions=[4, 5, 5, 5], slots=[-1] * 4, is_prefill=True)
+                                  position_ids=[4, 5, 5, 5], slots_mapping=[-1] * 4, is_prefill=True)
     assert multi.batch_arrays(prefill)["lora_token_slots"].tolist() == [2, 2, 0, 1]
     multi.unload("qv")
     multi.unload("mlp")

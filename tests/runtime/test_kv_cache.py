@@ -11,7 +11,7 @@ def test_profile_batch_fits_the_model_limits(tokens, max_len, block):
     batch.validate()
     assert batch.num_tokens == tokens
     assert all(q <= max_len for q in batch.query_lens)
-    assert all(len(t) * block <= max_len + block - 1 for t in batch.block_tables)
-    used = sorted(b for t in batch.block_tables for b in t)
+    assert all(len(t) * block <= max_len + block - 1 for t in batch.block_table)
+    used = sorted(b for t in batch.block_table for b in t)
     assert used == list(range(blocks))  # distinct blocks, all counted
-    assert len(set(batch.slots)) == tokens
+    assert len(set(batch.slots_mapping)) == tokens

@@ -74,14 +74,14 @@ class FakeModel:
     def step(self, out: SchedulerOutput) -> dict[str, int]:
         for s in out.scheduled:
             tag = (s.request_id, s.request.num_preemptions)
-            for tok, pos, slot in zip(s.token_ids, s.positions, s.slot_ids, strict=True):
+            for tok, pos, slot in zip(s.token_ids, s.position_ids, s.slots_mapping, strict=True):
                 self.cache[slot] = (*tag, pos, tok)
         sampled = {}
         for s in out.scheduled:
             tag = (s.request_id, s.request.num_preemptions)
             context = []
-            for pos in range(s.context_len):
-                entry = self.cache[s.block_ids[pos // self.bs] * self.bs + pos % self.bs]
+            for pos in range(s.seq_len):
+                entry = self.cache[s.block_table[pos // self.bs] * self.bs + pos % self.bs]
                 assert entry is not None and entry[:3] == (*tag, pos), (
                     f"{s.request_id} position {pos} reads {entry}"
                 )
@@ -105,19 +105,19 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     assert 0 < out.num_batched_tokens <= sched.max_num_batched_tokens
     assert all(not s.is_prefill and s.query_len == 1 and s.needs_logits for s in out.decodes)
     assert all(s.is_prefill for s in out.prefills)
-    slots = out.flat_slot_ids()
+    slots = out.flat_slots_mapping()
     assert len(slots) == len(set(slots)) == out.num_batched_tokens
     for s in out.scheduled:
         r = s.request
         assert r.status is RequestStatus.RUNNING
-        assert s.start == r.num_computed_tokens and s.positions == list(
-            range(s.start, s.context_len)
+        assert s.start == r.num_computed_tokens and s.position_ids == list(
+            range(s.start, s.seq_len)
         )
-        assert s.token_ids == r.all_token_ids[s.start : s.context_len]
-        assert s.needs_logits == (s.context_len == r.num_tokens)
+        assert s.token_ids == r.all_token_ids[s.start : s.seq_len]
+        assert s.needs_logits == (s.seq_len == r.num_tokens)
         bs = alloc.block_size
-        assert s.slot_ids == [s.block_ids[p // bs] * bs + p % bs for p in s.positions]
-        assert len(s.block_ids) * bs >= s.context_len
+        assert s.slots_mapping == [s.block_table[p // bs] * bs + p % bs for p in s.position_ids]
+        assert len(s.block_table) * bs >= s.seq_len
     assert not {s.request_id for s in out.scheduled} & {r.request_id for r in out.preempted}
 
 
@@ -464,13 +464,13 @@ def test_output_flat_metadata():
     out = sched.schedule()
     assert [s.request_id for s in out.scheduled] == ["a", "b", "c"]
     assert out.flat_token_ids() == [1, 2, 1, 2, 3, 4]
-    assert out.flat_positions() == [3, 2, 0, 1, 2, 3]
+    assert out.flat_position_ids() == [3, 2, 0, 1, 2, 3]
     assert out.query_start_loc() == [0, 1, 2, 6]
-    assert out.context_lens() == [4, 3, 4]
-    assert out.logits_indices() == [0, 1, 5]
+    assert out.seq_len() == [4, 3, 4]
+    assert out.lm_head_indices() == [0, 1, 5]
     assert out.scheduled[0].lora == "math" and out.scheduled[1].lora is None
     rows = out.block_table_rows(pad_value=-1, width=3)
-    assert rows == [s.block_ids + [-1] * (3 - len(s.block_ids)) for s in out.scheduled]
+    assert rows == [s.block_table + [-1] * (3 - len(s.block_table)) for s in out.scheduled]
     with pytest.raises(ValueError, match="width"):
         out.block_table_rows(width=1)
 

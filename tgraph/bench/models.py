@@ -92,10 +92,10 @@ def captured_decode(model, batch: int) -> BatchMeta:
 def _decode_batch(b: int, ctx: int, block_size: int) -> BatchMeta:
     per = -(-(ctx + 1) // block_size)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
-    return BatchMeta(input_ids=[1] * b, positions=[ctx - 1] * b,
-                     slots=[t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
+    return BatchMeta(input_ids=[1] * b, position_ids=[ctx - 1] * b,
+                     slots_mapping=[t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
                             for t in tables],
-                     query_lens=[1] * b, kv_lens=[ctx] * b, block_tables=tables, is_prefill=False)
+                     query_lens=[1] * b, seq_len=[ctx] * b, block_table=tables, is_prefill=False)
 
 
 def prefill_batch(n: int, length: int, block_size: int) -> BatchMeta:

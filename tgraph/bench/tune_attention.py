@@ -73,7 +73,7 @@ def _entry(cfg, ms: float, **metrics: float) -> dict:
 
 def _paged_cache(batch: int, seq: int, kv_heads: int, head_dim: int, block_size: int):
     """Random bf16 K/V caches holding ``batch`` full sequences of ``seq`` tokens: ``(k_cache,
-    v_cache, block_table, kv_lens)``. The pages are shuffled, like a cache that has served other
+    v_cache, block_table, seq_len)``. The pages are shuffled, like a cache that has served other
     requests (gathers cost the same either way, but this keeps the sweeps honest)."""
     blocks = batch * seq // block_size
     kc = torch.randn(blocks, block_size, kv_heads, head_dim, device="cuda", dtype=torch.bfloat16)

@@ -93,33 +93,33 @@ def _rope(outs: Outs, q, k, cos, sin, *, interleaved=False):
 
 
 @_register("reshape_and_cache")
-def _reshape_and_cache(outs: Outs, k, v, k_cache, v_cache, slots):
+def _reshape_and_cache(outs: Outs, k, v, k_cache, v_cache, slots_mapping):
     from tgraph.kernels.triton.rope import reshape_and_cache
 
-    reshape_and_cache(_last_contiguous(k), _last_contiguous(v), k_cache, v_cache, slots)
+    reshape_and_cache(_last_contiguous(k), _last_contiguous(v), k_cache, v_cache, slots_mapping)
     return k_cache, v_cache
 
 
 @_register("rope_cache")
-def _rope_cache(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False,
+def _rope_cache(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots_mapping, *, interleaved=False,
                 keep_k=False):
     from tgraph.kernels.triton.rope import rope_and_cache
 
     # Without keep_k the rotated k only goes to the cache: no k_out.
     k_out = outs[3] if keep_k else None
     rope_and_cache(_last_contiguous(q), _last_contiguous(k), _last_contiguous(v), cos.float(),
-                   sin.float(), k_cache, v_cache, slots, outs[0], k_out, interleaved)
+                   sin.float(), k_cache, v_cache, slots_mapping, outs[0], k_out, interleaved)
     return (outs[0], k_cache, v_cache, k_out) if keep_k else (outs[0], k_cache, v_cache)
 
 
 @_register("rope_cache_attention")
-def _rope_cache_attention(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots, block_table,
-                          kv_lens, *, interleaved=False, scale=None, sliding_window=None):
+def _rope_cache_attention(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, slots_mapping, block_table,
+                          seq_len, *, interleaved=False, scale=None, sliding_window=None):
     from tgraph.kernels.triton.attention import NewKey, paged_attention_decode
 
-    new_key = NewKey(_last_contiguous(k), _last_contiguous(v), cos.float(), sin.float(), slots,
+    new_key = NewKey(_last_contiguous(k), _last_contiguous(v), cos.float(), sin.float(), slots_mapping,
                      interleaved)
-    paged_attention_decode(_last_contiguous(q), k_cache, v_cache, block_table, kv_lens, scale,
+    paged_attention_decode(_last_contiguous(q), k_cache, v_cache, block_table, seq_len, scale,
                            sliding_window, outs[0], new_key=new_key)
     return outs[0], k_cache, v_cache
 
@@ -133,16 +133,16 @@ def _l2_prefetch(outs: Outs, x, *weights, halves, fraction):
 
 
 @_register("paged_attention")
-def _paged_attention(outs: Outs, q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None,
+def _paged_attention(outs: Outs, q, k_cache, v_cache, block_table, seq_len, query_start_loc=None,
                      k_new=None, v_new=None, *, scale=None, sliding_window=None):
     from tgraph.kernels.triton.attention import paged_attention_decode, paged_attention_prefill
 
     if query_start_loc is None:
-        paged_attention_decode(_last_contiguous(q), k_cache, v_cache, block_table, kv_lens, scale,
+        paged_attention_decode(_last_contiguous(q), k_cache, v_cache, block_table, seq_len, scale,
                                sliding_window, outs[0])
     else:
         new_kv = None if k_new is None else (_last_contiguous(k_new), _last_contiguous(v_new))
-        paged_attention_prefill(_last_contiguous(q), k_cache, v_cache, block_table, kv_lens,
+        paged_attention_prefill(_last_contiguous(q), k_cache, v_cache, block_table, seq_len,
                                 query_start_loc, scale, sliding_window, outs[0], new_kv=new_kv)
     return outs[0]
 

@@ -23,18 +23,18 @@ class AttentionMetadata:
 
     Attributes:
         cos, sin: ``[tokens, rotary_dim / 2]`` for each token's position.
-        slots: ``[tokens]`` flat cache slot of each token (negative: padding).
+        slots_mapping: ``[tokens]`` flat cache slot of each token (negative: padding).
         block_table: ``[batch, max_blocks]`` cache blocks of each sequence.
-        kv_lens: ``[batch]`` tokens of each sequence in the cache after this step.
+        seq_len: ``[batch]`` tokens of each sequence in the cache after this step.
         query_start_loc: ``[batch + 1]`` for packed (prefill) queries; ``None`` in decode.
         kv_caches: ``(k_cache, v_cache)`` per layer.
     """
 
     cos: Tensor
     sin: Tensor
-    slots: Tensor
+    slots_mapping: Tensor
     block_table: Tensor
-    kv_lens: Tensor
+    seq_len: Tensor
     query_start_loc: Tensor | None
     kv_caches: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
@@ -101,7 +101,7 @@ class Attention(Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = F.rope(q, k, meta.cos, meta.sin)
-        k_cache, v_cache = F.reshape_and_cache(k, v, *meta.kv_caches[self.layer_idx], meta.slots)
+        k_cache, v_cache = F.reshape_and_cache(k, v, *meta.kv_caches[self.layer_idx], meta.slots_mapping)
         out = attend(self.backend, q, k_cache, v_cache, meta, scale=self.scale,
                      sliding_window=self.sliding_window, new_kv=(k, v))
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))

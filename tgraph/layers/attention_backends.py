@@ -23,7 +23,7 @@ from tgraph.nn.tensor import Tensor
 
 class _Meta(Protocol):
     block_table: Tensor
-    kv_lens: Tensor
+    seq_len: Tensor
     query_start_loc: Tensor | None
 
 
@@ -34,7 +34,7 @@ def _paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _Meta, *, scale: f
            sliding_window: int | None, new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     if meta.query_start_loc is None:
         new_kv = None  # decode reads one new key per sequence: nothing to gain
-    return F.paged_attention(q, k_cache, v_cache, meta.block_table, meta.kv_lens,
+    return F.paged_attention(q, k_cache, v_cache, meta.block_table, meta.seq_len,
                              meta.query_start_loc, scale=scale, sliding_window=sliding_window,
                              new_kv=new_kv)
 
@@ -43,7 +43,7 @@ def _sdpa_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _Meta, *, s
                   sliding_window: int | None, new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     if meta.query_start_loc is None:  # decode: one query per sequence, the paged kernel wins
         return _paged(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
-    return F.sdpa_attention(q, k_cache, v_cache, meta.block_table, meta.kv_lens,
+    return F.sdpa_attention(q, k_cache, v_cache, meta.block_table, meta.seq_len,
                             meta.query_start_loc, scale=scale, sliding_window=sliding_window)
 
 

@@ -566,21 +566,21 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fal
     return out[0], out[1]
 
 
-def reshape_and_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots: Tensor
+def reshape_and_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots_mapping: Tensor
                       ) -> tuple[Tensor, Tensor]:
     """Write each token's k/v ``[tokens, kv_heads, head_dim]`` into the paged caches
-    ``[num_blocks, block_size, kv_heads, head_dim]`` at flat slot ``slots[t]`` (negative: skip).
+    ``[num_blocks, block_size, kv_heads, head_dim]`` at flat slot ``slots_mapping[t]`` (negative: skip).
 
     Returns:
         the updated caches; pass them to :func:`paged_attention` so that it reads after the write.
     """
-    out = record("reshape_and_cache", [k, v, k_cache, v_cache, slots])
+    out = record("reshape_and_cache", [k, v, k_cache, v_cache, slots_mapping])
     assert isinstance(out, tuple)
     return out[0], out[1]
 
 
 def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                    kv_lens: Tensor, query_start_loc: Tensor | None = None, *,
+                    seq_len: Tensor, query_start_loc: Tensor | None = None, *,
                     scale: float | None = None, sliding_window: int | None = None,
                     new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     """Causal attention of q over keys/values in the paged cache.
@@ -591,7 +591,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
         k_cache, v_cache: ``[num_blocks, block_size, kv_heads, head_dim]``; q_heads must be a
             multiple of kv_heads (GQA).
         block_table: ``[batch, max_blocks]`` int32, the cache blocks of each sequence.
-        kv_lens: ``[batch]`` int32, tokens of each sequence in the cache (new ones included).
+        seq_len: ``[batch]`` int32, tokens of each sequence in the cache (new ones included).
         query_start_loc: ``[batch + 1]`` int32 cumulative query counts, for packed queries.
         scale: softmax scale, ``head_dim ** -0.5`` by default.
         sliding_window: attend only the last ``sliding_window`` positions (Mistral).
@@ -602,7 +602,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
     Returns:
         ``[tokens, q_heads, head_dim]`` in q's dtype.
     """
-    inputs = [q, k_cache, v_cache, block_table, kv_lens, query_start_loc]
+    inputs = [q, k_cache, v_cache, block_table, seq_len, query_start_loc]
     if new_kv is not None:
         if query_start_loc is None:
             raise ValueError("paged_attention: new_kv is for packed queries (prefill), "
@@ -612,7 +612,7 @@ def paged_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Te
 
 
 def sdpa_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Tensor,
-                   kv_lens: Tensor, query_start_loc: Tensor, *, scale: float | None = None,
+                   seq_len: Tensor, query_start_loc: Tensor, *, scale: float | None = None,
                    sliding_window: int | None = None) -> Tensor:
     """Packed (prefill) causal attention over the paged cache through torch SDPA, one call per
     sequence: the same operands and result as :func:`paged_attention` with ``query_start_loc``.
@@ -620,5 +620,5 @@ def sdpa_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_table: Ten
     Returns:
         ``[tokens, q_heads, head_dim]`` in q's dtype.
     """
-    return _one("sdpa_attention", [q, k_cache, v_cache, block_table, kv_lens, query_start_loc],
+    return _one("sdpa_attention", [q, k_cache, v_cache, block_table, seq_len, query_start_loc],
                 scale=scale, sliding_window=sliding_window)

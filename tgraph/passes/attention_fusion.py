@@ -1,7 +1,7 @@
 """Attention fusions.
 
 - ``RopeCache``: rotary embedding followed by the write of k/v into the paged cache becomes one
-  ``rope_cache`` kernel (rotate q and k, write rotated k and v at their slots).
+  ``rope_cache`` kernel (rotate q and k, write rotated k and v at their slots_mapping).
 - ``RopeAttention``: at decode (one query per sequence), ``rope_cache`` followed by the
   ``paged_attention`` that reads its outputs becomes ``rope_cache_attention``: the attention
   kernel rotates q and the new key itself, stores k/v, and one launch per layer is gone.
@@ -22,13 +22,13 @@ def _check(m: Match) -> bool:
 
 
 def _make(interleaved: bool, keep_k: bool) -> Pattern:
-    def pattern(q, k, v, cos, sin, k_cache, v_cache, slots):
+    def pattern(q, k, v, cos, sin, k_cache, v_cache, slots_mapping):
         q_rot, k_rot = F.rope(q, k, cos, sin, interleaved=interleaved)
-        kc, vc = F.reshape_and_cache(k_rot, v, k_cache, v_cache, slots)
+        kc, vc = F.reshape_and_cache(k_rot, v, k_cache, v_cache, slots_mapping)
         return (q_rot, kc, vc, k_rot) if keep_k else (q_rot, kc, vc)
 
-    def replacement(q, k, v, cos, sin, k_cache, v_cache, slots):
-        return F.record("rope_cache", [q, k, v, cos, sin, k_cache, v_cache, slots],
+    def replacement(q, k, v, cos, sin, k_cache, v_cache, slots_mapping):
+        return F.record("rope_cache", [q, k, v, cos, sin, k_cache, v_cache, slots_mapping],
                         interleaved=interleaved, **({"keep_k": True} if keep_k else {}))
 
     name = f"rope_cache_{'interleaved' if interleaved else 'half'}{'_keep_k' if keep_k else ''}"
@@ -65,7 +65,7 @@ class RopeAttention(Pass):
     def _fuse(net: Network, attn: Node) -> int:
         if len(attn.inputs) != 5 and not (len(attn.inputs) == 6 and attn.inputs[5] is None):
             return 0  # prefill: packed queries with query_start_loc
-        q_rot, kc, vc, block_table, kv_lens = attn.inputs[:5]
+        q_rot, kc, vc, block_table, seq_len = attn.inputs[:5]
         rope = q_rot.producer
         if (rope is None or rope.op != "rope_cache" or q_rot.index != 0
                 or kc is not rope.outputs[1] or vc is not rope.outputs[2]
@@ -73,7 +73,7 @@ class RopeAttention(Pass):
             return 0
         with recording(net), net.inserting_before(attn):
             out, new_kc, new_vc = F.record(
-                "rope_cache_attention", [*rope.inputs, block_table, kv_lens],
+                "rope_cache_attention", [*rope.inputs, block_table, seq_len],
                 interleaved=rope.attrs.get("interleaved", False), scale=attn.attrs.get("scale"),
                 sliding_window=attn.attrs.get("sliding_window"))
         net.replace_all_uses(attn.outputs[0], out)

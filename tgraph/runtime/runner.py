@@ -31,14 +31,14 @@ def batch_from_schedule(out: SchedulerOutput) -> BatchMeta:
     """The model's view of a scheduler step (decodes and prefill chunks packed in order)."""
     scheduled = out.scheduled
     is_prefill = bool(out.prefills)
-    indices = out.logits_indices() if is_prefill else None
+    indices = out.lm_head_indices() if is_prefill else None
     if is_prefill and not indices:
         indices = [out.num_batched_tokens - 1]  # nothing is sampled; keep the head's shape valid
     return BatchMeta(
-        input_ids=out.flat_token_ids(), positions=out.flat_positions(),
-        slots=out.flat_slot_ids(), query_lens=[s.query_len for s in scheduled],
-        kv_lens=out.context_lens(), block_tables=[s.block_ids for s in scheduled],
-        logits_indices=indices, is_prefill=is_prefill, loras=[s.lora for s in scheduled])
+        input_ids=out.flat_token_ids(), position_ids=out.flat_position_ids(),
+        slots_mapping=out.flat_slots_mapping(), query_lens=[s.query_len for s in scheduled],
+        seq_len=out.seq_len(), block_table=[s.block_table for s in scheduled],
+        lm_head_indices=indices, is_prefill=is_prefill, loras=[s.lora for s in scheduled])
 
 
 class RankFailedError(TGraphError, RuntimeError):

@@ -42,10 +42,10 @@ class ScheduledRequest:
     Attributes:
         request: the request (read-only for the runner).
         token_ids: input tokens of this step.
-        positions: their positions, ``start .. start + query_len - 1``.
-        slot_ids: flat KV-cache slot each token's key/value is written to.
-        block_ids: the request's block table row after this step's allocation.
-        context_len: KV length after this step (``start + query_len``), what attention reads.
+        position_ids: their positions, ``start .. start + query_len - 1``.
+        slots_mapping: flat KV-cache slot each token's key/value is written to.
+        block_table: the request's block table row after this step's allocation.
+        seq_len: KV length after this step (``start + query_len``), what attention reads.
         query_len: number of tokens in this step.
         needs_logits: whether the last token's logits are needed (a prefill chunk that completes
             the prompt, or a decode); other chunks need no lm_head.
@@ -54,10 +54,10 @@ class ScheduledRequest:
 
     request: Request
     token_ids: list[int]
-    positions: list[int]
-    slot_ids: list[int]
-    block_ids: list[int]
-    context_len: int
+    position_ids: list[int]
+    slots_mapping: list[int]
+    block_table: list[int]
+    seq_len: int
     query_len: int
     needs_logits: bool
     is_prefill: bool
@@ -70,7 +70,7 @@ class ScheduledRequest:
     @property
     def start(self) -> int:
         """Position of the first token of this step (= tokens already in the cache)."""
-        return self.context_len - self.query_len
+        return self.seq_len - self.query_len
 
     @property
     def lora(self) -> str | None:
@@ -111,13 +111,13 @@ class SchedulerOutput:
         """All input tokens, concatenated."""
         return [t for s in self.scheduled for t in s.token_ids]
 
-    def flat_positions(self) -> list[int]:
+    def flat_position_ids(self) -> list[int]:
         """All positions, concatenated."""
-        return [p for s in self.scheduled for p in s.positions]
+        return [p for s in self.scheduled for p in s.position_ids]
 
-    def flat_slot_ids(self) -> list[int]:
+    def flat_slots_mapping(self) -> list[int]:
         """All KV-cache slots, concatenated (the ``slots_mapping`` input)."""
-        return [x for s in self.scheduled for x in s.slot_ids]
+        return [x for s in self.scheduled for x in s.slots_mapping]
 
     def query_start_loc(self) -> list[int]:
         """Cumulative query lengths, ``[0, q0, q0 + q1, ...]`` (``cu_seqlens_q``)."""
@@ -126,11 +126,11 @@ class SchedulerOutput:
             out.append(out[-1] + s.query_len)
         return out
 
-    def context_lens(self) -> list[int]:
+    def seq_len(self) -> list[int]:
         """KV length of each scheduled request after this step."""
-        return [s.context_len for s in self.scheduled]
+        return [s.seq_len for s in self.scheduled]
 
-    def logits_indices(self) -> list[int]:
+    def lm_head_indices(self) -> list[int]:
         """Indices into the flat tokens whose logits are needed (``lm_head_indices``)."""
         out = []
         end = 0
@@ -145,13 +145,13 @@ class SchedulerOutput:
 
         Args:
             pad_value: id written after a row's last block (never read by attention, since
-                ``context_len`` bounds the read).
+                ``seq_len`` bounds the read).
             width: row length; the longest row when None.
 
         Returns:
             One row per scheduled request.
         """
-        rows = [s.block_ids for s in self.scheduled]
+        rows = [s.block_table for s in self.scheduled]
         w = max((len(r) for r in rows), default=0) if width is None else width
         if any(len(r) > w for r in rows):
             raise ValueError(f"width {w} is smaller than the longest block table row")
@@ -419,10 +419,10 @@ class Scheduler:
         return ScheduledRequest(
             request=req,
             token_ids=req.token_ids(start, end),
-            positions=list(range(start, end)),
-            slot_ids=table.slots(start, length),
-            block_ids=table.block_ids,
-            context_len=end,
+            position_ids=list(range(start, end)),
+            slots_mapping=table.slots(start, length),
+            block_table=table.block_ids,
+            seq_len=end,
             query_len=length,
             needs_logits=end == req.num_tokens,
             is_prefill=req.in_prefill,

@@ -7,12 +7,12 @@ Layouts (shared with the Triton kernels):
   dims past ``rot_dim`` are left as they are (partial rotary).
 - KV cache ``[num_blocks, block_size, kv_heads, head_dim]``; a flat slot is
   ``block * block_size + offset``; a negative slot means "padding, write nothing".
-- ``block_table`` ``[batch, max_blocks_per_seq]`` int32; ``kv_lens`` ``[batch]`` tokens of each
+- ``block_table`` ``[batch, max_blocks_per_seq]`` int32; ``seq_len`` ``[batch]`` tokens of each
   sequence in the cache, the new ones included.
 - Paged attention: with ``query_start_loc`` (``[batch + 1]`` cumulative query counts) queries are
   packed over sequences (prefill, chunked prefill); without it there is one query per sequence
   (decode). Query ``i`` of sequence ``b`` sits at absolute position
-  ``kv_lens[b] - q_len[b] + i`` and attends keys ``j <= p`` with ``p - j < sliding_window``
+  ``seq_len[b] - q_len[b] + i`` and attends keys ``j <= p`` with ``p - j < sliding_window``
   when a window is set (the Hugging Face Mistral convention).
 """
 from __future__ import annotations
@@ -71,26 +71,26 @@ def rope_reference(q, k, cos, sin, *, interleaved=False):
 register_op("rope", infer=_rope_infer, reference=rope_reference, category=OpCategory.ROPE)
 
 
-def _cache_infer(k: Meta, v: Meta, k_cache: Meta, v_cache: Meta, slots: Meta):
+def _cache_infer(k: Meta, v: Meta, k_cache: Meta, v_cache: Meta, slots_mapping: Meta):
     require_rank(k, 3, "reshape_and_cache k ([tokens, kv_heads, head_dim])")
     require_rank(v, 3, "reshape_and_cache v")
     for m, what in ((k_cache, "k_cache"), (v_cache, "v_cache")):
         require_rank(m, 4, f"{what} ([num_blocks, block_size, kv_heads, head_dim])")
-    require_rank(slots, 1, "slots ([tokens])")
-    require_int(slots, "slots")
+    require_rank(slots_mapping, 1, "slots_mapping ([tokens])")
+    require_int(slots_mapping, "slots_mapping")
     for src, cache in ((k, k_cache), (v, v_cache)):
         if src.shape is not None and cache.shape is not None:
             require(not dims_conflict(src.shape[1], cache.shape[2])
                     and not dims_conflict(src.shape[2], cache.shape[3]),
                     f"reshape_and_cache: {src} does not fit cache {cache} (heads, head_dim)")
-    require(not dims_conflict(dim_of(k, 0), dim_of(slots, 0)),
-            f"reshape_and_cache: {k} and slots {slots} disagree on the token count")
+    require(not dims_conflict(dim_of(k, 0), dim_of(slots_mapping, 0)),
+            f"reshape_and_cache: {k} and slots_mapping {slots_mapping} disagree on the token count")
     return Meta(k_cache.shape, k_cache.dtype), Meta(v_cache.shape, v_cache.dtype)
 
 
-def reshape_and_cache_reference(k, v, k_cache, v_cache, slots):
-    valid = slots >= 0
-    flat = slots[valid].long()
+def reshape_and_cache_reference(k, v, k_cache, v_cache, slots_mapping):
+    valid = slots_mapping >= 0
+    flat = slots_mapping[valid].long()
     block_size = k_cache.shape[1]
     blocks, offsets = flat // block_size, flat % block_size
     k_cache[blocks, offsets] = k[valid].to(k_cache.dtype)
@@ -102,7 +102,7 @@ register_op("reshape_and_cache", infer=_cache_infer, reference=reshape_and_cache
             category=OpCategory.CACHE, view_of=(2, 3), mutates=(2, 3))
 
 
-def _attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, kv_lens: Meta,
+def _attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, seq_len: Meta,
                      query_start_loc: Meta | None = None, k_new: Meta | None = None,
                      v_new: Meta | None = None, *, scale: float | None = None,
                      sliding_window: int | None = None) -> Meta:
@@ -113,14 +113,14 @@ def _attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, k
     require_same_dtype(k_cache, v_cache, "k_cache and v_cache")
     require_rank(block_table, 2, "block_table ([batch, max_blocks])")
     require_int(block_table, "block_table")
-    require_rank(kv_lens, 1, "kv_lens ([batch])")
-    require_int(kv_lens, "kv_lens")
+    require_rank(seq_len, 1, "seq_len ([batch])")
+    require_int(seq_len, "seq_len")
     if query_start_loc is not None:
         require_rank(query_start_loc, 1, "query_start_loc ([batch + 1])")
         require_int(query_start_loc, "query_start_loc")
     else:
-        require(not dims_conflict(dim_of(q, 0), dim_of(kv_lens, 0)),
-                f"decode paged_attention: q {q} needs one query per sequence of kv_lens {kv_lens}")
+        require(not dims_conflict(dim_of(q, 0), dim_of(seq_len, 0)),
+                f"decode paged_attention: q {q} needs one query per sequence of seq_len {seq_len}")
     require(sliding_window is None or sliding_window > 0,
             f"sliding_window must be positive or None, got {sliding_window}")
     hq, hk = dim_of(q, 1), dim_of(k_cache, 2)
@@ -143,7 +143,7 @@ def _attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, k
     return Meta(q.shape, q.dtype)
 
 
-def paged_attention_reference(q, k_cache, v_cache, block_table, kv_lens, query_start_loc=None,
+def paged_attention_reference(q, k_cache, v_cache, block_table, seq_len, query_start_loc=None,
                               k_new=None, v_new=None, *, scale=None, sliding_window=None):
     """Naive attention per sequence over keys gathered from the paged cache, in fp32.
 
@@ -153,24 +153,24 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, kv_lens, query_s
     _, block_size, kv_heads, head_dim = k_cache.shape
     group = q.shape[1] // kv_heads
     scale = head_dim ** -0.5 if scale is None else scale
-    lens = kv_lens.tolist()
+    lens = seq_len.tolist()
     starts = (query_start_loc.tolist() if query_start_loc is not None
               else list(range(len(lens) + 1)))
     out = torch.zeros_like(q)
-    for b, kv_len in enumerate(lens):
+    for b, n_keys in enumerate(lens):
         s, e = starts[b], starts[b + 1]
         n = e - s
-        if n == 0 or kv_len == 0:
+        if n == 0 or n_keys == 0:
             continue
-        num_blocks = -(-kv_len // block_size)
+        num_blocks = -(-n_keys // block_size)
         blocks = block_table[b, :num_blocks].long()
-        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:kv_len].float()
-        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:kv_len].float()
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:n_keys].float()
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n_keys].float()
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e].float(), k) * scale
-        q_pos = torch.arange(kv_len - n, kv_len, device=q.device)[:, None]
-        k_pos = torch.arange(kv_len, device=q.device)[None, :]
+        q_pos = torch.arange(n_keys - n, n_keys, device=q.device)[:, None]
+        k_pos = torch.arange(n_keys, device=q.device)[None, :]
         mask = k_pos <= q_pos
         if sliding_window is not None:
             mask &= q_pos - k_pos < sliding_window

@@ -56,17 +56,17 @@ register_op("swiglu", infer=_swiglu_infer, reference=swiglu_reference, category=
             doc="silu(gate) * up on a packed [..., 2n] gate|up tensor")
 
 
-def _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False,
+def _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, *, interleaved=False,
                       keep_k=False):
     q_out, k_out = attn_ops._rope_infer(q, k, cos, sin, interleaved=interleaved)
-    kc, vc = attn_ops._cache_infer(k_out, v, k_cache, v_cache, slots)
+    kc, vc = attn_ops._cache_infer(k_out, v, k_cache, v_cache, slots_mapping)
     return (q_out, kc, vc, k_out) if keep_k else (q_out, kc, vc)
 
 
-def rope_cache_reference(q, k, v, cos, sin, k_cache, v_cache, slots, *, interleaved=False,
+def rope_cache_reference(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, *, interleaved=False,
                          keep_k=False):
     q_rot, k_rot = attn_ops.rope_reference(q, k, cos, sin, interleaved=interleaved)
-    kc, vc = attn_ops.reshape_and_cache_reference(k_rot, v, k_cache, v_cache, slots)
+    kc, vc = attn_ops.reshape_and_cache_reference(k_rot, v, k_cache, v_cache, slots_mapping)
     return (q_rot, kc, vc, k_rot) if keep_k else (q_rot, kc, vc)
 
 
@@ -76,21 +76,21 @@ register_op("rope_cache", infer=_rope_cache_infer, reference=rope_cache_referenc
                 "with keep_k the rotated k is also a fourth output (a prefill attention reads it)")
 
 
-def _rope_cache_attention_infer(q, k, v, cos, sin, k_cache, v_cache, slots, block_table, kv_lens,
+def _rope_cache_attention_infer(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, block_table, seq_len,
                                 *, interleaved=False, scale=None, sliding_window=None):
-    q_rot, kc, vc = _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots,
+    q_rot, kc, vc = _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots_mapping,
                                       interleaved=interleaved)
-    out = attn_ops._attention_infer(q_rot, kc, vc, block_table, kv_lens, scale=scale,
+    out = attn_ops._attention_infer(q_rot, kc, vc, block_table, seq_len, scale=scale,
                                     sliding_window=sliding_window)
     return out, kc, vc
 
 
-def rope_cache_attention_reference(q, k, v, cos, sin, k_cache, v_cache, slots, block_table,
-                                   kv_lens, *, interleaved=False, scale=None,
+def rope_cache_attention_reference(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, block_table,
+                                   seq_len, *, interleaved=False, scale=None,
                                    sliding_window=None):
-    q_rot, kc, vc = rope_cache_reference(q, k, v, cos, sin, k_cache, v_cache, slots,
+    q_rot, kc, vc = rope_cache_reference(q, k, v, cos, sin, k_cache, v_cache, slots_mapping,
                                          interleaved=interleaved)
-    out = attn_ops.paged_attention_reference(q_rot, kc, vc, block_table, kv_lens, scale=scale,
+    out = attn_ops.paged_attention_reference(q_rot, kc, vc, block_table, seq_len, scale=scale,
                                              sliding_window=sliding_window)
     return out, kc, vc
 

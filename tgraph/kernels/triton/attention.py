@@ -4,7 +4,7 @@ Layout and semantics (shared with the op registry's torch reference):
 
 - ``k_cache``, ``v_cache``: ``[num_blocks, block_size, Hk, D]``. Key ``j`` of sequence ``b``
   lives at ``cache[block_table[b, j // block_size], j % block_size]``.
-- ``block_table``: int32 ``[B, max_blocks_per_seq]``; ``kv_lens``: int32 ``[B]``, the tokens of
+- ``block_table``: int32 ``[B, max_blocks_per_seq]``; ``seq_len``: int32 ``[B]``, the tokens of
   each sequence in the cache *including* the ones of this step (the caller wrote them first).
 - GQA: query head ``h`` reads kv head ``h // (Hq // Hk)``. ``scale`` defaults to ``1/sqrt(D)``.
 - Causal with an optional sliding window ``W``: the query at absolute position ``p`` attends keys
@@ -12,8 +12,8 @@ Layout and semantics (shared with the op registry's torch reference):
 
 Both functions write into ``out`` and are CUDA-graph capturable: they never read device values
 on the host, and their launch grids depend only on tensor shapes and Python ints. Checks are
-therefore on shapes, dtypes and devices only; the values of ``kv_lens``, ``query_start_loc`` and
-``block_table`` are trusted (``q_len_b <= kv_lens[b] <= max_blocks_per_seq * block_size``,
+therefore on shapes, dtypes and devices only; the values of ``seq_len``, ``query_start_loc`` and
+``block_table`` are trusted (``q_len_b <= seq_len[b] <= max_blocks_per_seq * block_size``,
 ``query_start_loc[B] == T``, page ids < ``num_blocks``).
 """
 from __future__ import annotations
@@ -42,13 +42,13 @@ def _check_attention_args(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
-    kv_lens: torch.Tensor,
+    seq_len: torch.Tensor,
     out: torch.Tensor,
     sliding_window: int | None,
 ) -> None:
     """Raise TypeError/ValueError on arguments the kernels cannot take (shape/dtype/device only)."""
     named = {"q": q, "k_cache": k_cache, "v_cache": v_cache, "block_table": block_table,
-             "kv_lens": kv_lens, "out": out}
+             "seq_len": seq_len, "out": out}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -57,7 +57,7 @@ def _check_attention_args(
     for name in ("k_cache", "v_cache", "out"):
         if named[name].dtype != q.dtype:
             raise TypeError(f"{op}: {name} must have q's dtype {q.dtype}, got {named[name].dtype}")
-    for name in ("block_table", "kv_lens"):
+    for name in ("block_table", "seq_len"):
         if named[name].dtype != torch.int32:
             raise TypeError(f"{op}: {name} must be int32, got {named[name].dtype}")
     for name, t in named.items():
@@ -104,13 +104,13 @@ def _check_attention_args(
         raise ValueError(
             f"{op}: block_table must be 2-D [B, max_blocks_per_seq], got {tuple(block_table.shape)}"
         )
-    if kv_lens.dim() != 1 or kv_lens.shape[0] != block_table.shape[0]:
+    if seq_len.dim() != 1 or seq_len.shape[0] != block_table.shape[0]:
         raise ValueError(
-            f"{op}: kv_lens must be 1-D [B] with B = block_table.shape[0] = "
-            f"{block_table.shape[0]}, got {tuple(kv_lens.shape)}"
+            f"{op}: seq_len must be 1-D [B] with B = block_table.shape[0] = "
+            f"{block_table.shape[0]}, got {tuple(seq_len.shape)}"
         )
-    if not kv_lens.is_contiguous():
-        raise ValueError(f"{op}: kv_lens must be contiguous")
+    if not seq_len.is_contiguous():
+        raise ValueError(f"{op}: seq_len must be contiguous")
     if sliding_window is not None and (
         isinstance(sliding_window, bool)
         or not isinstance(sliding_window, int)
@@ -137,7 +137,7 @@ def paged_attention_prefill(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
-    kv_lens: torch.Tensor,
+    seq_len: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float | None,
     sliding_window: int | None,
@@ -148,8 +148,8 @@ def paged_attention_prefill(
     """Causal varlen attention of packed queries against a paged KV cache (prefill / chunked).
 
     Query ``i`` of sequence ``b`` (row ``query_start_loc[b] + i`` of ``q``) sits at absolute
-    position ``kv_lens[b] - q_len_b + i``, so a chunk of queries after cached context works the
-    same as a plain prefill (``q_len_b == kv_lens[b]``).
+    position ``seq_len[b] - q_len_b + i``, so a chunk of queries after cached context works the
+    same as a plain prefill (``q_len_b == seq_len[b]``).
 
     Args:
         q: ``[T, Hq, D]`` queries packed over sequences; rows may be strided (e.g. a view of a
@@ -157,7 +157,7 @@ def paged_attention_prefill(
         k_cache: ``[num_blocks, block_size, Hk, D]``, already holding this step's keys.
         v_cache: same shape and dtype as ``k_cache``.
         block_table: int32 ``[B, max_blocks_per_seq]`` page ids (any strides).
-        kv_lens: int32 ``[B]`` tokens of each sequence in the cache, new ones included.
+        seq_len: int32 ``[B]`` tokens of each sequence in the cache, new ones included.
         query_start_loc: int32 ``[B + 1]`` cumulative query counts, ``query_start_loc[B] == T``.
         scale: softmax scale, None for ``1/sqrt(D)``.
         sliding_window: None, or W >= 1 (a query sees the W most recent keys, itself included).
@@ -165,7 +165,7 @@ def paged_attention_prefill(
         max_query_len: optional host-known longest ``q_len``; lets short chunks use smaller tiles.
         new_kv: optional ``(k, v)``, each ``[T, Hk, D]`` in the cache's dtype: the keys and
             values this step wrote to the cache, in query order (row ``i`` belongs to query row
-            ``i``). Sequences without cached context (``kv_lens[b] == q_len_b``) then read their
+            ``i``). Sequences without cached context (``seq_len[b] == q_len_b``) then read their
             keys from these rows, contiguously (by TMA on Hopper) instead of through the page
             table; the result is the same. Rows may be strided, the last dim contiguous.
 
@@ -173,7 +173,7 @@ def paged_attention_prefill(
         None; the result is in ``out``.
     """
     op = "paged_attention_prefill"
-    _check_attention_args(op, q, k_cache, v_cache, block_table, kv_lens, out, sliding_window)
+    _check_attention_args(op, q, k_cache, v_cache, block_table, seq_len, out, sliding_window)
     if new_kv is not None:
         _check_new_kv(op, new_kv, q, k_cache)
     if not isinstance(query_start_loc, torch.Tensor):
@@ -182,7 +182,7 @@ def paged_attention_prefill(
         raise TypeError(f"{op}: query_start_loc must be int32, got {query_start_loc.dtype}")
     if query_start_loc.device != q.device:
         raise ValueError(f"{op}: query_start_loc is on {query_start_loc.device}, q on {q.device}")
-    batch = kv_lens.shape[0]
+    batch = seq_len.shape[0]
     if query_start_loc.dim() != 1 or query_start_loc.shape[0] != batch + 1:
         raise ValueError(
             f"{op}: query_start_loc must be 1-D [B + 1] = [{batch + 1}], "
@@ -196,7 +196,7 @@ def paged_attention_prefill(
     group = q.shape[1] // k_cache.shape[2]
     config = prefill_config(q.shape[2], max_query_len, q.device.type == "cuda", group)
     launch_prefill(
-        q, k_cache, v_cache, block_table, kv_lens, query_start_loc, scale, sliding_window, out,
+        q, k_cache, v_cache, block_table, seq_len, query_start_loc, scale, sliding_window, out,
         config, new_kv,
     )
 
@@ -223,7 +223,7 @@ def paged_attention_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
-    kv_lens: torch.Tensor,
+    seq_len: torch.Tensor,
     scale: float | None,
     sliding_window: int | None,
     out: torch.Tensor,
@@ -232,18 +232,18 @@ def paged_attention_decode(
     workspace: torch.Tensor | None = None,
     new_key: NewKey | None = None,
 ) -> None:
-    """Attention of one query per sequence (at position ``kv_lens[b] - 1``) over a paged cache.
+    """Attention of one query per sequence (at position ``seq_len[b] - 1``) over a paged cache.
 
     Split-KV flash decoding: each (sequence, kv head, split) program reads its slice of the KV
     once for the whole query group, then a second kernel merges the splits. A sequence with
-    ``kv_lens[b] == 0`` (batch padding) gets zeros.
+    ``seq_len[b] == 0`` (batch padding) gets zeros.
 
     Args:
         q: ``[B, Hq, D]``; rows may be strided, the last dim must be contiguous.
         k_cache: ``[num_blocks, block_size, Hk, D]``, already holding this step's key.
         v_cache: same shape and dtype as ``k_cache``.
         block_table: int32 ``[B, max_blocks_per_seq]`` page ids (any strides).
-        kv_lens: int32 ``[B]`` tokens of each sequence in the cache, the new one included.
+        seq_len: int32 ``[B]`` tokens of each sequence in the cache, the new one included.
         scale: softmax scale, None for ``1/sqrt(D)``.
         sliding_window: None, or W >= 1.
         out: ``[B, Hq, D]`` in q's dtype; written, never allocated.
@@ -253,18 +253,18 @@ def paged_attention_decode(
         new_key: the step's rope and cache write folded in (the ``rope_cache`` op before
             attention, without its launch): ``q`` is unrotated, the cache does not hold this
             step's key yet, and the kernel rotates q and ``new_key.k``, stores k and v at
-            ``new_key.slots`` and uses the new key from registers. See :class:`NewKey`.
+            ``new_key.slots_mapping`` and uses the new key from registers. See :class:`NewKey`.
 
     Returns:
         None; the result is in ``out`` (and, with ``new_key``, the step's k/v in the cache).
     """
     op = "paged_attention_decode"
-    _check_attention_args(op, q, k_cache, v_cache, block_table, kv_lens, out, sliding_window)
+    _check_attention_args(op, q, k_cache, v_cache, block_table, seq_len, out, sliding_window)
     if new_key is not None:
         _check_new_key(op, new_key, q, k_cache)
     batch, num_q_heads, head_dim = q.shape
-    if kv_lens.shape[0] != batch:
-        raise ValueError(f"{op}: kv_lens has {kv_lens.shape[0]} sequences but q has {batch} rows")
+    if seq_len.shape[0] != batch:
+        raise ValueError(f"{op}: seq_len has {seq_len.shape[0]} sequences but q has {batch} rows")
     if num_splits is None:
         max_context = block_table.shape[1] * k_cache.shape[1]
         num_splits = choose_num_splits(batch, k_cache.shape[2], max_context, sm_count(q.device))
@@ -285,7 +285,7 @@ def paged_attention_decode(
     programs = batch * k_cache.shape[2] * num_splits
     config = decode_config(head_dim, q.device.type == "cuda", programs, sm_count(q.device))
     launch_decode(
-        q, k_cache, v_cache, block_table, kv_lens, scale, sliding_window, out, num_splits,
+        q, k_cache, v_cache, block_table, seq_len, scale, sliding_window, out, num_splits,
         workspace.view(-1) if workspace is not None else None, config, new_key,
     )
 
@@ -312,12 +312,12 @@ def _check_new_key(op: str, nk: NewKey, q: torch.Tensor, k_cache: torch.Tensor) 
     if nk.sin.shape != nk.cos.shape:
         raise ValueError(f"{op}: new_key.sin {list(nk.sin.shape)} must match cos "
                          f"{list(nk.cos.shape)}")
-    slots = nk.slots
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) \
-            or tuple(slots.shape) != (batch,) or slots.device != q.device:
-        raise ValueError(f"{op}: new_key.slots must be int32/int64 [{batch}] on {q.device}, "
-                         f"got {getattr(slots, 'dtype', type(slots).__name__)} "
-                         f"{list(getattr(slots, 'shape', []))}")
+    slots_mapping = nk.slots_mapping
+    if not isinstance(slots_mapping, torch.Tensor) or slots_mapping.dtype not in (torch.int32, torch.int64) \
+            or tuple(slots_mapping.shape) != (batch,) or slots_mapping.device != q.device:
+        raise ValueError(f"{op}: new_key.slots_mapping must be int32/int64 [{batch}] on {q.device}, "
+                         f"got {getattr(slots_mapping, 'dtype', type(slots_mapping).__name__)} "
+                         f"{list(getattr(slots_mapping, 'shape', []))}")
     if not isinstance(nk.interleaved, bool):
         raise TypeError(f"{op}: new_key.interleaved must be a bool, got {nk.interleaved!r}")
 

@@ -21,13 +21,13 @@ prefill kernel, :func:`tgraph.kernels.triton.attention_prefill.attend_paged_keys
 
 With a :class:`NewKey` (the ``rope_cache_attention`` op), pass 1 also does the step's rotary
 embedding and cache write: every program rotates its q rows as it loads them, and the program whose
-split holds position ``kv_len - 1`` rotates this step's key, stores k and v at the sequence's slot
+split holds position ``seq_len - 1`` rotates this step's key, stores k and v at the sequence's slot
 and folds that key into its softmax state from registers; its loop stops one key short, so no
 program reads the slot being written. A same-process A/B on an H100 (2026-11-22) measured it a
 wash to 2% per step (Qwen2.5-0.5B batch 1: 0.650 vs 0.665 and 0.691 vs 0.699 ms per replay, 124
 vs 148 kernels; Llama-3.2-1B batch 1 and 16 within noise): it is kept for the launches it saves.
 
-Splits divide the keys the sequence actually has (read from ``kv_lens`` on the device), so the
+Splits divide the keys the sequence actually has (read from ``seq_len`` on the device), so the
 grid depends only on the batch shape and ``num_splits`` and stays CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -75,14 +75,14 @@ class NewKey:
     """This step's key and value, for a decode that also does the rope and the cache write.
 
     ``q`` then arrives unrotated; the split kernel rotates it, rotates ``k``, stores ``k`` and
-    ``v`` at ``slots`` in the cache (skipping slots outside it), and takes the new key from
+    ``v`` at ``slots_mapping`` in the cache (skipping slots_mapping outside it), and takes the new key from
     registers rather than reading it back (see ``tgraph.kernels.triton.attention``'s
     ``rope_cache_attention_decode``).
 
     Attributes:
         k, v: ``[B, Hk, D]``, last dim contiguous.
         cos, sin: fp32 ``[B, R/2]``, ``2 <= R <= D``.
-        slots: int32/int64 ``[B]`` flat cache slot per sequence.
+        slots_mapping: int32/int64 ``[B]`` flat cache slot per sequence.
         interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of ``(i, i + R/2)``.
     """
 
@@ -90,7 +90,7 @@ class NewKey:
     v: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    slots: torch.Tensor
+    slots_mapping: torch.Tensor
     interleaved: bool = False
 
 
@@ -220,7 +220,7 @@ def _rotated_rows(rows, row_mask, offs_d, cos_row, sin_row,
 
 @triton.jit(do_not_specialize=["window", "num_splits"])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, ws_acc_ptr, ws_ml_ptr, bt_ptr, kv_lens_ptr,
+    q_ptr, k_ptr, v_ptr, o_ptr, ws_acc_ptr, ws_ml_ptr, bt_ptr, seq_len_ptr,
     kn_ptr, vn_ptr, cos_ptr, sin_ptr, slots_ptr, n_slots,
     qk_scale, window, num_splits, num_q_heads,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -236,25 +236,25 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Before the PDL wait: kv_lens and the block table are step inputs, copied in before the
+    # Before the PDL wait: seq_len and the block table are step inputs, copied in before the
     # step's first kernel, so no kernel that may still run writes them (see
     # tgraph.kernels.triton.pdl). The split's range follows from them.
-    kv_len = tl.load(kv_lens_ptr + seq)
-    # The one query sits at p = kv_len - 1 and sees keys j with p - j < window.
+    seq_len = tl.load(seq_len_ptr + seq)
+    # The one query sits at p = seq_len - 1 and sees keys j with p - j < window.
     if HAS_WINDOW:
-        key_lo = tl.maximum(kv_len - window, 0)
+        key_lo = tl.maximum(seq_len - window, 0)
     else:
-        key_lo = kv_len * 0
+        key_lo = seq_len * 0
     # Whole tiles per split so every split but the last streams full tiles.
-    per_split = tl.cdiv(tl.cdiv(kv_len - key_lo, num_splits), BLOCK_N) * BLOCK_N
+    per_split = tl.cdiv(tl.cdiv(seq_len - key_lo, num_splits), BLOCK_N) * BLOCK_N
     start = key_lo + split * per_split
-    end = tl.minimum(start + per_split, kv_len)
+    end = tl.minimum(start + per_split, seq_len)
     if NEW_KEY:
-        # The split holding position kv_len - 1 takes this step's key from k/v (and stores it
+        # The split holding position seq_len - 1 takes this step's key from k/v (and stores it
         # in the cache) instead of reading it back from the cache.
-        last = tl.where(kv_len > key_lo, (kv_len - 1 - key_lo) // tl.maximum(per_split, 1), 0)
+        last = tl.where(seq_len > key_lo, (seq_len - 1 - key_lo) // tl.maximum(per_split, 1), 0)
         owns_new = split == last
-        end = tl.where(owns_new & (kv_len > 0), kv_len - 1, end)
+        end = tl.where(owns_new & (seq_len > 0), seq_len - 1, end)
 
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -310,7 +310,7 @@ def _decode_split_kernel(
     if NEW_KEY:
         if owns_new:
             acc, l_i, m_i = _attend_new_key(
-                acc, l_i, m_i, q, seq, kv_head, kv_len, offs_d, kn_ptr, vn_ptr,
+                acc, l_i, m_i, q, seq, kv_head, seq_len, offs_d, kn_ptr, vn_ptr,
                 cos_ptr + seq * stride_cos, sin_ptr + seq * stride_sin, slots_ptr, n_slots,
                 k_ptr, v_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
@@ -318,7 +318,7 @@ def _decode_split_kernel(
             )
 
     if DIRECT_OUT:
-        # An empty sequence (kv_len 0, e.g. batch padding) leaves l = 0, acc = 0: write zeros.
+        # An empty sequence (seq_len 0, e.g. batch padding) leaves l = 0, acc = 0: write zeros.
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         o_ptrs = o_ptr + seq.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, out.to(o_ptr.dtype.element_ty), mask=head_mask[:, None])
@@ -357,7 +357,7 @@ def _attend_tile(acc, l_i, m_i, q, k, v, key_mask, qk_scale, DOT_PRECISION: tl.c
 
 @triton.jit
 def _attend_new_key(
-    acc, l_i, m_i, q, seq, kv_head, kv_len, offs_d, kn_ptr, vn_ptr, cos_row, sin_row,
+    acc, l_i, m_i, q, seq, kv_head, seq_len, offs_d, kn_ptr, vn_ptr, cos_row, sin_row,
     slots_ptr, n_slots, k_ptr, v_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
@@ -372,7 +372,7 @@ def _attend_new_key(
     v_new = tl.load(vn_ptr + seq.to(tl.int64) * stride_vnb + kv_head * stride_vnh
                     + offs_d[None, :]).to(v_ptr.dtype.element_ty)
     slot = tl.load(slots_ptr + seq).to(tl.int64)
-    # Padding (slot < 0) and slots past the cache are skipped, as reshape_and_cache does.
+    # Padding (slot < 0) and slots_mapping past the cache are skipped, as reshape_and_cache does.
     # (an int bound rather than a scalar-bool mask, which the interpreter cannot broadcast)
     store = offs_d[None, :] < tl.where((slot >= 0) & (slot < n_slots), HEAD_DIM, 0)
     slot = tl.where(slot >= 0, slot, 0)
@@ -381,7 +381,7 @@ def _attend_new_key(
              + offs_d[None, :], k_new, mask=store)
     tl.store(v_ptr + block * stride_vb + offset * stride_vs + kv_head * stride_vh
              + offs_d[None, :], v_new, mask=store)
-    if kv_len > 0:
+    if seq_len > 0:
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1)  # [BLOCK_H]
         m_new = tl.maximum(m_i, score)
         alpha = tl.math.exp2((m_i - m_new) * qk_scale)
@@ -409,7 +409,7 @@ def _decode_reduce_kernel(
     m = tl.load(ws_ml_ptr + rows * 2, mask=split_mask, other=float("-inf"))
     l = tl.load(ws_ml_ptr + rows * 2 + 1, mask=split_mask, other=0.0)
     m_max = tl.max(m, 0)
-    # All splits empty (kv_len 0): weights become exp2(-inf) = 0 and the output 0, not NaN.
+    # All splits empty (seq_len 0): weights become exp2(-inf) = 0 and the output 0, not NaN.
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)
     denom = tl.sum(w * l, 0)
@@ -426,7 +426,7 @@ def launch_decode(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
-    kv_lens: torch.Tensor,
+    seq_len: torch.Tensor,
     scale: float,
     sliding_window: int | None,
     out: torch.Tensor,
@@ -438,7 +438,7 @@ def launch_decode(
     """Launch split-KV decode on arguments already checked by the public wrapper.
 
     Args:
-        q, k_cache, v_cache, block_table, kv_lens, scale, sliding_window, out: see
+        q, k_cache, v_cache, block_table, seq_len, scale, sliding_window, out: see
             :func:`tgraph.kernels.triton.attention.paged_attention_decode`.
         num_splits: KV splits per (sequence, kv head), >= 1.
         workspace: fp32, at least :func:`workspace_numel` elements, or None to allocate one.
@@ -461,11 +461,11 @@ def launch_decode(
         ws_acc = workspace[:n_acc]
         ws_ml = workspace[n_acc:numel]
     nk = new_key
-    dummy = kv_lens  # stands in for the new-key pointers when there is none (never read)
+    dummy = seq_len  # stands in for the new-key pointers when there is none (never read)
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, out, ws_acc, ws_ml, block_table, kv_lens,
+        q, k_cache, v_cache, out, ws_acc, ws_ml, block_table, seq_len,
         nk.k if nk else dummy, nk.v if nk else dummy, nk.cos if nk else dummy,
-        nk.sin if nk else dummy, nk.slots if nk else dummy,
+        nk.sin if nk else dummy, nk.slots_mapping if nk else dummy,
         k_cache.shape[0] * block_size,
         scale * LOG2E, sliding_window if sliding_window is not None else 0, num_splits,
         num_q_heads,

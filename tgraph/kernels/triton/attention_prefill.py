@@ -337,7 +337,7 @@ def _attend_ranges(
 
 @triton.jit(do_not_specialize=["num_seqs", "window"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, kv_lens_ptr, qsl_ptr, kn_ptr, vn_ptr, kn_desc, vn_desc,
+    q_ptr, k_ptr, v_ptr, o_ptr, bt_ptr, seq_len_ptr, qsl_ptr, kn_ptr, vn_ptr, kn_desc, vn_desc,
     num_seqs, qk_scale, window,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ot, stride_oh, stride_btb, stride_btn, stride_knt, stride_knh, stride_vnt, stride_vnh,
@@ -369,8 +369,8 @@ def _prefill_kernel(
     if tile * BLOCK_P >= q_len:
         return
 
-    kv_len = tl.load(kv_lens_ptr + seq)
-    ctx_len = kv_len - q_len  # keys cached before this chunk of queries
+    seq_len = tl.load(seq_len_ptr + seq)
+    ctx_len = seq_len - q_len  # keys cached before this chunk of queries
     # Row r holds position tile * BLOCK_P + r // HEADS of query head head_tile * HEADS + r % HEADS
     # (both fold to the plain layout when HEADS == 1).
     offs_r = tl.arange(0, BLOCK_M)
@@ -398,7 +398,7 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     pos_first = ctx_len + tile * BLOCK_P
-    pos_last = tl.minimum(pos_first + BLOCK_P - 1, kv_len - 1)  # last valid position
+    pos_last = tl.minimum(pos_first + BLOCK_P - 1, seq_len - 1)  # last valid position
     key_hi = pos_last + 1
     # Keys in [0, full_hi) are causally visible to every row of the tile.
     full_hi = ((pos_first + 1) // BLOCK_N) * BLOCK_N
@@ -436,7 +436,7 @@ def _prefill_kernel(
         )
 
     # Every valid row sees at least its own key, so l_i > 0 there; the guard keeps rows of a
-    # (malformed) kv_len 0 sequence at zero instead of NaN.
+    # (malformed) seq_len 0 sequence at zero instead of NaN.
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_ptrs = o_ptr + (q_rows * stride_ot + heads * stride_oh)[:, None] + offs_d[None, :]
@@ -448,7 +448,7 @@ def launch_prefill(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_table: torch.Tensor,
-    kv_lens: torch.Tensor,
+    seq_len: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
     sliding_window: int | None,
@@ -459,12 +459,12 @@ def launch_prefill(
     """Launch the prefill kernel on arguments already checked by the public wrapper.
 
     Args:
-        q, k_cache, v_cache, block_table, kv_lens, query_start_loc, scale, sliding_window, out,
+        q, k_cache, v_cache, block_table, seq_len, query_start_loc, scale, sliding_window, out,
         new_kv: see :func:`tgraph.kernels.triton.attention.paged_attention_prefill`.
         config: tile sizes from :func:`prefill_config`.
     """
     num_tokens, num_q_heads, head_dim = q.shape
-    num_seqs = kv_lens.shape[0]
+    num_seqs = seq_len.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -481,7 +481,7 @@ def launch_prefill(
         k_desc = _row_descriptor(k_new, config.block_n) if keys == DESCRIPTORS else None
         v_desc = _row_descriptor(v_new, config.block_n) if keys == DESCRIPTORS else None
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, block_table, kv_lens, query_start_loc, k_new, v_new,
+        q, k_cache, v_cache, out, block_table, seq_len, query_start_loc, k_new, v_new,
         k_desc, v_desc,
         num_seqs, scale * LOG2E, sliding_window if sliding_window is not None else 0,
         q.stride(0), q.stride(1),

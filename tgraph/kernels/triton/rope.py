@@ -6,7 +6,7 @@ Layouts:
   strides are free, so views into a packed qkv projection work without a copy.
 - ``cos``/``sin [T, R/2]`` fp32, already gathered per token by position; ``R <= D`` dims rotate,
   dims ``[R, D)`` pass through unchanged (partial rotary, e.g. GPT-NeoX / Phi).
-- Paged cache ``[num_blocks, block_size, Hk, D]``; token ``t`` goes to flat slot ``slots[t]``
+- Paged cache ``[num_blocks, block_size, Hk, D]``; token ``t`` goes to flat slot ``slots_mapping[t]``
   (block ``slot // block_size``, offset ``slot % block_size``). Slots outside
   ``[0, num_blocks * block_size)`` - negative ones mark padding - are not written.
 
@@ -281,21 +281,21 @@ def _check_qk(op: str, q, k, cos, sin, q_out, k_out, interleaved) -> None:
         raise TypeError(f"{op}: interleaved: expected a bool, got {type(interleaved).__name__}")
 
 
-def _check_cache(op: str, k, v, k_cache, v_cache, slots) -> None:
+def _check_cache(op: str, k, v, k_cache, v_cache, slots_mapping) -> None:
     _check_tensor(op, "v", v, 3)
     _check_tensor(op, "k_cache", k_cache, 4)
     _check_tensor(op, "v_cache", v_cache, 4)
-    _check_tensor(op, "slots", slots, 1, _SLOT_DTYPES)
+    _check_tensor(op, "slots_mapping", slots_mapping, 1, _SLOT_DTYPES)
     t, h, d = k.shape
     _check_shape(op, "v", v, (t, h, d), "as k")
     paged = (k_cache.shape[0], k_cache.shape[1], h, d)
     _check_shape(op, "k_cache", k_cache, paged, "[num_blocks, block_size, Hk, D]")
     _check_shape(op, "v_cache", v_cache, tuple(k_cache.shape), "as k_cache")
-    _check_shape(op, "slots", slots, (t,), "one slot per token")
+    _check_shape(op, "slots_mapping", slots_mapping, (t,), "one slot per token")
 
 
 def _launch(
-    q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots, interleaved, has_q, write_k_out, write_cache
+    q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots_mapping, interleaved, has_q, write_k_out, write_cache
 ) -> None:
     t, n_kv, d = k.shape
     n_q = q.shape[1] if has_q else 0
@@ -313,10 +313,10 @@ def _launch(
     k_cache = k_cache if write_cache else k
     v_cache = v_cache if write_cache else k
     v = v if write_cache else k
-    slots = slots if write_cache else k
+    slots_mapping = slots_mapping if write_cache else k
     n_blocks, block_size = (k_cache.shape[0], k_cache.shape[1]) if write_cache else (0, 1)
     _rope_cache_kernel[grid](
-        q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots,
+        q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots_mapping,
         n_q, n_kv, n_q_blocks, block_size, n_blocks * block_size,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), sin.stride(0),
@@ -370,7 +370,7 @@ def rope_and_cache(
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    slots_mapping: torch.Tensor,
     q_out: torch.Tensor,
     k_out: torch.Tensor | None,
     interleaved: bool,
@@ -385,7 +385,7 @@ def rope_and_cache(
         sin: ``[T, R/2]`` fp32 sines.
         k_cache: ``[num_blocks, block_size, Hk, D]`` paged key cache; receives rotated k.
         v_cache: same shape as ``k_cache``.
-        slots: ``[T]`` int32/int64 flat slot per token; slots outside
+        slots_mapping: ``[T]`` int32/int64 flat slot per token; slots_mapping outside
             ``[0, num_blocks * block_size)`` (negative = padding) are skipped.
         q_out: ``[T, Hq, D]`` rotated queries; may alias ``q``.
         k_out: ``[T, Hk, D]`` rotated keys; may alias ``k``. ``None``: the rotated keys only
@@ -393,16 +393,16 @@ def rope_and_cache(
         interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of ``(i, i + R/2)``.
 
     Returns:
-        None; writes ``q_out``, ``k_out`` (if given) and the cache rows at ``slots``.
+        None; writes ``q_out``, ``k_out`` (if given) and the cache rows at ``slots_mapping``.
     """
     op = "rope_and_cache"
     _check_qk(op, q, k, cos, sin, q_out, k_out, interleaved)
-    _check_cache(op, k, v, k_cache, v_cache, slots)
+    _check_cache(op, k, v, k_cache, v_cache, slots_mapping)
     _check_device(op, {
         "q": q, "k": k, "v": v, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache,
-        "slots": slots, "q_out": q_out, **({"k_out": k_out} if k_out is not None else {}),
+        "slots_mapping": slots_mapping, "q_out": q_out, **({"k_out": k_out} if k_out is not None else {}),
     })  # fmt: skip
-    _launch(q, k, v, cos, sin, q_out, k if k_out is None else k_out, k_cache, v_cache, slots,
+    _launch(q, k, v, cos, sin, q_out, k if k_out is None else k_out, k_cache, v_cache, slots_mapping,
             interleaved, True, k_out is not None, True)
 
 
@@ -411,7 +411,7 @@ def reshape_and_cache(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    slots: torch.Tensor,
+    slots_mapping: torch.Tensor,
 ) -> None:
     """Store k and v (no rotation) into the paged KV cache.
 
@@ -420,14 +420,14 @@ def reshape_and_cache(
         v: ``[T, Hk, D]`` values.
         k_cache: ``[num_blocks, block_size, Hk, D]`` paged key cache.
         v_cache: same shape as ``k_cache``.
-        slots: ``[T]`` int32/int64 flat slot per token; slots outside
+        slots_mapping: ``[T]`` int32/int64 flat slot per token; slots_mapping outside
             ``[0, num_blocks * block_size)`` (negative = padding) are skipped.
 
     Returns:
-        None; writes the cache rows at ``slots``.
+        None; writes the cache rows at ``slots_mapping``.
     """
     op = "reshape_and_cache"
     _check_tensor(op, "k", k, 3)
-    _check_cache(op, k, v, k_cache, v_cache, slots)
-    _check_device(op, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slots": slots})
-    _launch(None, k, v, None, None, None, k, k_cache, v_cache, slots, False, False, False, True)
+    _check_cache(op, k, v, k_cache, v_cache, slots_mapping)
+    _check_device(op, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slots_mapping": slots_mapping})
+    _launch(None, k, v, None, None, None, k, k_cache, v_cache, slots_mapping, False, False, False, True)

@@ -12,23 +12,23 @@ class BatchMeta:
     """One step's batch, in plain lists (the scheduler's output maps onto it directly).
 
     Attributes:
-        input_ids, positions, slots: one entry per scheduled token (sequences packed in order).
+        input_ids, position_ids, slots_mapping: one entry per scheduled token (sequences packed in order).
         query_lens: tokens scheduled per sequence this step (1 for a decoding sequence).
-        kv_lens: tokens of each sequence in the cache after this step.
-        block_tables: cache blocks of each sequence.
-        logits_indices: rows (token indices) whose logits are wanted; ``None`` means one per
+        seq_len: tokens of each sequence in the cache after this step.
+        block_table: cache blocks of each sequence.
+        lm_head_indices: rows (token indices) whose logits are wanted; ``None`` means one per
             sequence at its last token.
         is_prefill: ``False`` only when every sequence decodes exactly one token.
         loras: the adapter name per sequence (``None``: base model).
     """
 
     input_ids: Sequence[int]
-    positions: Sequence[int]
-    slots: Sequence[int]
+    position_ids: Sequence[int]
+    slots_mapping: Sequence[int]
     query_lens: Sequence[int]
-    kv_lens: Sequence[int]
-    block_tables: Sequence[Sequence[int]]
-    logits_indices: Sequence[int] | None = None
+    seq_len: Sequence[int]
+    block_table: Sequence[Sequence[int]]
+    lm_head_indices: Sequence[int] | None = None
     is_prefill: bool = True
     loras: Sequence[str | None] | None = None
     extra: dict = field(default_factory=dict)
@@ -43,21 +43,21 @@ class BatchMeta:
 
     def validate(self) -> None:
         n = len(self.input_ids)
-        if not (len(self.positions) == len(self.slots) == n):
-            raise ValueError(f"BatchMeta: input_ids ({n}), positions ({len(self.positions)}) and "
-                             f"slots ({len(self.slots)}) must have one entry per token")
+        if not (len(self.position_ids) == len(self.slots_mapping) == n):
+            raise ValueError(f"BatchMeta: input_ids ({n}), position_ids ({len(self.position_ids)}) and "
+                             f"slots_mapping ({len(self.slots_mapping)}) must have one entry per token")
         if sum(self.query_lens) != n:
             raise ValueError(f"BatchMeta: query_lens sum to {sum(self.query_lens)}, but there are "
                              f"{n} tokens")
-        if not (len(self.kv_lens) == len(self.block_tables) == self.num_seqs):
-            raise ValueError("BatchMeta: kv_lens, block_tables and query_lens need one entry per "
+        if not (len(self.seq_len) == len(self.block_table) == self.num_seqs):
+            raise ValueError("BatchMeta: seq_len, block_table and query_lens need one entry per "
                              "sequence")
         if not self.is_prefill and any(q != 1 for q in self.query_lens):
             raise ValueError("BatchMeta: a decode batch has exactly one token per sequence")
 
-    def default_logits_indices(self) -> list[int]:
-        if self.logits_indices is not None:
-            return list(self.logits_indices)
+    def default_lm_head_indices(self) -> list[int]:
+        if self.lm_head_indices is not None:
+            return list(self.lm_head_indices)
         ends, total = [], 0
         for q in self.query_lens:
             total += q
@@ -66,7 +66,7 @@ class BatchMeta:
 
 
 def pad_decode(meta: BatchMeta, batch: int) -> BatchMeta:
-    """Pad a decode batch to ``batch`` sequences with inert entries (slot -1, kv_len 0)."""
+    """Pad a decode batch to ``batch`` sequences with inert entries (slot -1, seq_len 0)."""
     extra = batch - meta.num_seqs
     if extra < 0:
         raise ValueError(f"cannot pad {meta.num_seqs} sequences down to {batch}")
@@ -74,12 +74,12 @@ def pad_decode(meta: BatchMeta, batch: int) -> BatchMeta:
         return meta
     return BatchMeta(
         input_ids=list(meta.input_ids) + [0] * extra,
-        positions=list(meta.positions) + [0] * extra,
-        slots=list(meta.slots) + [-1] * extra,
+        position_ids=list(meta.position_ids) + [0] * extra,
+        slots_mapping=list(meta.slots_mapping) + [-1] * extra,
         query_lens=list(meta.query_lens) + [1] * extra,
-        kv_lens=list(meta.kv_lens) + [0] * extra,
-        block_tables=list(meta.block_tables) + [[]] * extra,
-        logits_indices=None, is_prefill=False,
+        seq_len=list(meta.seq_len) + [0] * extra,
+        block_table=list(meta.block_table) + [[]] * extra,
+        lm_head_indices=None, is_prefill=False,
         loras=None if meta.loras is None else list(meta.loras) + [None] * extra,
         extra=dict(meta.extra))
 
@@ -136,7 +136,7 @@ def pad_prefill_arrays(arrays: dict[str, np.ndarray], tokens: int,
 
 
 def block_table_array(tables: Sequence[Sequence[int]], width: int) -> np.ndarray:
-    """Rows padded with zeros to ``width`` (padding entries are never read: kv_lens bound them)."""
+    """Rows padded with zeros to ``width`` (padding entries are never read: seq_len bound them)."""
     out = np.zeros((len(tables), width), dtype=np.int32)
     for i, row in enumerate(tables):
         if len(row) > width:

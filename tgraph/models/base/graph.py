@@ -33,9 +33,8 @@ from tgraph.nn.tensor import Tensor
 logger = logging.getLogger("tgraph.models")
 
 GraphKey = tuple[bool, tuple[str, ...]]
-# Engine inputs with one integer per token (per sequence at decode) -> the BatchMeta field.
-_BATCH_FIELDS = {"input_ids": "input_ids", "position_ids": "positions",
-                 "slots_mapping": "slots", "seq_len": "kv_lens"}
+# Engine inputs with one integer per token (per sequence at decode), named as BatchMeta's fields.
+_BATCH_FIELDS = ("input_ids", "position_ids", "slots_mapping", "seq_len")
 
 
 class GraphModel:
@@ -254,12 +253,12 @@ class GraphState:
     def _input_arrays(self, batch: BatchMeta, is_prefill: bool,
                       feature_names: tuple[str, ...]) -> dict[str, np.ndarray]:
         """The batch's integer inputs (the model's and its features') as int32 host arrays."""
-        parts: dict[str, Any] = {name: getattr(batch, f) for name, f in _BATCH_FIELDS.items()}
+        parts: dict[str, Any] = {name: getattr(batch, name) for name in _BATCH_FIELDS}
         if is_prefill:
             parts["query_start_loc"] = np.concatenate(([0], np.cumsum(batch.query_lens)))
-            parts["lm_head_indices"] = batch.default_logits_indices()
+            parts["lm_head_indices"] = batch.default_lm_head_indices()
         arrays = {k: np.asarray(v, dtype=np.int32) for k, v in parts.items()}
-        arrays["block_table"] = block_table_array(batch.block_tables,
+        arrays["block_table"] = block_table_array(batch.block_table,
                                                   self.config.max_blocks_per_seq)
         arrays.update(self._feature_arrays(batch, feature_names))
         return arrays
@@ -316,8 +315,8 @@ class GraphState:
             raise ConfigError("allocate the KV cache (model.allocate_kv_cache(num_blocks)) before "
                               "running the model")
         batch.validate()
-        if max(batch.positions, default=0) >= self.config.max_model_len:
-            raise ConfigError(f"position {max(batch.positions)} is beyond max_model_len "
+        if max(batch.position_ids, default=0) >= self.config.max_model_len:
+            raise ConfigError(f"position {max(batch.position_ids)} is beyond max_model_len "
                               f"{self.config.max_model_len}")
         is_prefill = batch.is_prefill
         num_seqs = batch.num_seqs
@@ -375,7 +374,7 @@ class GraphState:
         if self.config.world_size > 1 or self.model.placement is not None:
             return None
         tokens = prefill_token_bucket(batch.num_tokens, self.config.prefill_graph_tokens)
-        seqs = self._bucket(max(batch.num_seqs, len(batch.default_logits_indices())))
+        seqs = self._bucket(max(batch.num_seqs, len(batch.default_lm_head_indices())))
         if tokens is None or seqs is None:
             return None
         return tokens, seqs
@@ -459,8 +458,8 @@ class GraphState:
             raise ConfigError("allocate the KV cache before capturing decode graphs")
         buckets = sorted(buckets or self.config.batch_buckets, reverse=True)
         for b in buckets:
-            dummy = BatchMeta(input_ids=[0] * b, positions=[0] * b, slots=[-1] * b,
-                              query_lens=[1] * b, kv_lens=[0] * b, block_tables=[[]] * b,
+            dummy = BatchMeta(input_ids=[0] * b, position_ids=[0] * b, slots_mapping=[-1] * b,
+                              query_lens=[1] * b, seq_len=[0] * b, block_table=[[]] * b,
                               is_prefill=False)
             self.run(dummy)
         return buckets
@@ -504,9 +503,9 @@ class _Staging:
         """Put a (bucket-padded) decode batch and the features' arrays into the host array."""
         self._wait_for_replay()
         views = self.views
-        for name, field_name in _BATCH_FIELDS.items():
-            views[name][:] = getattr(batch, field_name)
-        self._write_tables(batch.block_tables)
+        for name in _BATCH_FIELDS:
+            views[name][:] = getattr(batch, name)
+        self._write_tables(batch.block_table)
         for name, a in extra.items():
             views[name][...] = a
 
@@ -536,7 +535,7 @@ class _Staging:
             if len(row) > width:
                 raise ValueError(f"a sequence holds {len(row)} cache blocks, more than the table "
                                  f"width {width} (max_model_len / block_size)")
-            # Entries past the row's length are never read (kv_lens bound them): left as they are.
+            # Entries past the row's length are never read (seq_len bound them): left as they are.
             out[i, :len(row)] = row
             if i < len(rows):
                 rows[i] = list(row)
