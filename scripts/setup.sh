@@ -3,9 +3,11 @@
 #
 # - A torch that is already importable by python3 is kept untouched (the venv sees system packages;
 #   TGRAPH_ISOLATED_VENV=1 makes a venv without them).
-# - Otherwise the CPU build of torch 2.13.0 is installed when no CUDA is wanted (no nvidia-smi, or
-#   TGRAPH_CUDA=0): `torch==2.13.0+cpu` from pip's configured sources (a local wheel directory
-#   where there is one), else from the PyTorch CPU index. With CUDA wanted, pip's default build.
+# - Otherwise, when no CUDA is wanted (no nvidia-smi, or TGRAPH_CUDA=0), the CPU build
+#   `torch==2.13.0+cpu` where pip's configured sources reach one, else pip's default build of
+#   torch 2.13.0. With CUDA wanted, pip's default build.
+# - Only pip's configured sources are used; TGRAPH_EXTRA_INDEX_URL adds an index of your own.
+# Environment variables: tgraph/envs.py (`python -m tgraph.envs`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -18,6 +20,9 @@ if [ ! -x .venv/bin/python ]; then
     fi
 fi
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
+if [ -n "${TGRAPH_EXTRA_INDEX_URL:-}" ]; then
+    PIP+=(--extra-index-url "$TGRAPH_EXTRA_INDEX_URL")
+fi
 
 if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     want_cuda=${TGRAPH_CUDA:-}
@@ -27,10 +32,8 @@ if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
     if [ "$want_cuda" = "1" ]; then
         "${PIP[@]}" "torch>=2.11"
     else
-        # The exact local version never matches a CUDA build on PyPI.
-        "${PIP[@]}" "torch==2.13.0+cpu" \
-            || "${PIP[@]}" "torch==2.13.0+cpu" --index-url https://download.pytorch.org/whl/cpu \
-                   --extra-index-url https://pypi.org/simple
+        # The exact local version never matches a CUDA build.
+        "${PIP[@]}" "torch==2.13.0+cpu" || "${PIP[@]}" "torch==2.13.0"
     fi
 fi
 "${PIP[@]}" -e ".[test]"

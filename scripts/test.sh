@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One command: set up, then run the test suite (GPU tests skip without CUDA).
+# One command: set up, lint, then run the test suite (GPU tests skip without CUDA).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+.venv/bin/python -m ruff check .
 exec .venv/bin/python -m pytest -q "$@"

@@ -20,7 +20,7 @@ HAS_CUDA = torch.cuda.is_available()
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
-        if "gpu" in item.keywords and not HAS_CUDA:
+        if ("gpu" in item.keywords or "slow_gpu" in item.keywords) and not HAS_CUDA:
             item.add_marker(skip_gpu)
 
 
@@ -29,7 +29,8 @@ def pytest_runtest_logreport(report):
     path = os.environ.get("TGRAPH_TEST_LOG")
     if path and (report.when != "teardown" or report.outcome != "passed"):
         with open(path, "a", encoding="utf-8") as log:
-            log.write(f"{report.duration:9.3f} {report.when:8s} {report.outcome:8s} {report.nodeid}\n")
+            log.write(f"{report.duration:9.3f} {report.when:8s} {report.outcome:8s} "
+                      f"{report.nodeid}\n")
 
 
 @pytest.fixture(autouse=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -212,7 +213,7 @@ def run_without_interpreter(script: str, extra_env: Mapping[str, str] | None = N
                           text=True, timeout=timeout)
 
 
-def capture_cuda_graph(step: Callable[[], Any]) -> "torch.cuda.CUDAGraph":
+def capture_cuda_graph(step: Callable[[], Any]) -> torch.cuda.CUDAGraph:
     """Run ``step`` once on a side stream (compiling kernels outside the capture), then capture
     it into a CUDA graph and return the graph (not yet replayed)."""
     stream = torch.cuda.Stream()

@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from tgraph.config import SCHEMA, Field, Settings, default_settings_path, load_settings
+from tgraph import tuning
+from tgraph.config import (
+    SCHEMA,
+    Field,
+    Settings,
+    default_settings_path,
+    load_settings,
+    main,
+    tuning_of,
+)
 from tgraph.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,10 +46,16 @@ def test_packaged_defaults_equal_repo_config():
 
 
 def test_defaults_cover_schema_exactly():
+    # The JSON defaults give every setting but the kernel tuning, whose defaults are the
+    # dataclasses' (tgraph.tuning).
     defaults = json.loads(default_settings_path().read_text())
+    defaults["llm"]["engine"]["tuning"] = tuning.to_dict(tuning.Tuning())
     assert sorted(leaves(defaults)) == sorted(leaves(SCHEMA))
     sections = SCHEMA["llm"].values()
-    assert all(isinstance(field, Field) for section in sections for field in section.values())
+    assert all(isinstance(field, Field) for section in sections
+               for name, field in section.items() if name != "tuning")
+    assert all(isinstance(SCHEMA["llm"]["engine"]["tuning"][k], dict)
+               for k in ("gemv", "decode_attention", "lora", "prefetch"))
 
 
 def test_default_values():
@@ -53,7 +68,10 @@ def test_default_values():
     assert s.llm.cache.gpu_memory_utilization == 0.9
     assert s.llm.scheduler.max_num_seqs == 64 and s.llm.scheduler.max_num_batched_tokens == 4096
     assert s.get("llm.model.dtype") == "auto" and s.get("llm.model.device") == "auto"
-    assert s.to_dict() == json.loads(default_settings_path().read_text())
+    tree = s.to_dict()
+    assert tree["llm"]["engine"].pop("tuning") == tuning.to_dict(tuning.Tuning())
+    assert tree == json.loads(default_settings_path().read_text())
+    assert tuning_of(s) == tuning.Tuning()
 
 
 # ---------------------------------------------------------------------------- merge / override
@@ -176,7 +194,7 @@ def test_settings_lookup():
     with pytest.raises(KeyError, match="no setting 'llm.engine.graph.x'"):
         s.get("llm.engine.graph.x")
     with pytest.raises(AttributeError, match="no setting 'llm.engine.nope'; known: batch_buckets"):
-        engine.nope
+        _ = engine.nope
     assert not hasattr(s, "nope")
 
 
@@ -187,3 +205,57 @@ def test_settings_copy_pickle_and_equality():
     assert s != load_settings()
     assert hash(s) == hash(load_settings(overrides=["llm.engine.graph=eager"]))
     assert "eager" in repr(s)
+
+
+# ------------------------------------------------------------------------------------- tuning
+def test_tuning_overrides_build_the_engine_tuning(tmp_path):
+    s = load_settings(overrides=[
+        "llm.engine.tuning.gemv.tma_weights=false",
+        "llm.engine.tuning.gemv.m1_block_n=8",
+        'llm.engine.tuning.decode_attention.override={"block_n": 128, "num_warps": 8}',
+        'llm.engine.tuning.gemv.overrides=[{"block_m": 16, "n": 2048, "k": 8192, '
+        '"config": {"block_n": 64, "block_k": 128, "split_k": 4, "num_warps": 4, '
+        '"num_stages": 4}}]',
+    ])
+    t = tuning_of(s)
+    assert t.gemv.tma_weights is False and t.gemv.m1_block_n == 8
+    assert t.gemv.m1_stages == 3  # siblings keep their defaults
+    assert t.decode_attention.override == tuning.DecodeTiles(128, 8, 3)
+    assert t.gemv.override_for((16, 2048, 8192, False, False)) == tuning.GemvConfig(64, 128, 4, 4,
+                                                                                    4)
+    # A user file may give a partial tuning section too.
+    path = write(tmp_path, {"llm": {"engine": {"tuning": {"prefetch": {"l2_fraction": 0.25}}}}})
+    t = tuning_of(load_settings(path))
+    assert t.prefetch.l2_fraction == 0.25 and t.prefetch.max_rows == 1
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("llm.engine.tuning.gemv.tma=false", "unknown setting 'llm.engine.tuning.gemv.tma'.*"
+                                         "has .*tma_weights"),
+    ("llm.engine.tuning.gemv.m1_stages=0", "integer >= 1, got 0"),
+    ("llm.engine.tuning.gemv.tma_weights=1", "true or false"),
+    ("llm.engine.tuning.prefetch.l2_fraction=2", r"number in \(0, 1\]"),
+    ('llm.engine.tuning.decode_attention.override={"block_m": 1}', "unknown tuning key"),
+    ('llm.engine.tuning.gemv.overrides=[{"n": 0}]', "integer >= 1, got 0"),
+    ("llm.engine.tuning.decode_attention.early_kv_max_programs_per_sm=-1", "integer >= 0"),
+])
+def test_bad_tuning_overrides(override, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_settings(overrides=[override])
+
+
+def test_every_tuning_field_has_a_reason_and_is_listed(capsys):
+    rows = tuning.describe()
+    assert rows and all(doc for _, _, doc in rows)
+    main(["--tuning"])
+    printed = capsys.readouterr().out
+    assert all(key in printed for key, _, _ in rows)
+    assert "llm.engine.tuning.gemv.tma_weights = true" in printed
+
+
+def test_tuning_dataclasses_are_frozen_and_checked():
+    t = tuning.Tuning()
+    with pytest.raises(AttributeError):
+        t.gemv.tma_weights = False  # type: ignore[misc]
+    with pytest.raises(ValueError, match="GemvTuning.small_m_max"):
+        tuning.GemvTuning(small_m_max=0)

@@ -52,7 +52,7 @@ class Wrapper(Module):
         self.inner = inner
 
     @classmethod
-    def from_module(cls, module: Module) -> "Wrapper":
+    def from_module(cls, module: Module) -> Wrapper:
         return cls(module)
 
 
@@ -79,7 +79,8 @@ def test_first_match_wins_and_params_are_shared() -> None:
     model = tree()
     old_up = model.get_submodule("blocks.0.mlp.up_proj")
     rules = load_rules([
-        {"match": {"name": r"up_proj$"}, "replace": {"class": LWB, "kwargs": {"backend": "cublas"}}},
+        {"match": {"name": r"up_proj$"},
+         "replace": {"class": LWB, "kwargs": {"backend": "cublas"}}},
         {"match": {"name": r"_proj$"}, "replace": {"class": LWB, "kwargs": {"backend": "triton"}}},
     ])
     result = matched(apply_rules(model, rules))

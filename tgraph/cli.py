@@ -13,8 +13,9 @@ import logging
 import os
 import sys
 import traceback
-from typing import Sequence
+from collections.abc import Sequence
 
+from tgraph import envs
 from tgraph.errors import TGraphError
 
 
@@ -80,7 +81,7 @@ def _generate(args: argparse.Namespace) -> int:
         dump = args.dump_tensors
         if llm.world_size > 1:
             dump = os.path.join(dump, f"rank{llm.rank}")
-        llm.model._graph_state().dump_dir = dump
+        llm.model.dump_dir = dump
     with _profiled(args.profile if report else None):
         if len(prompts) == 1:
             for event in llm.stream(prompts[0], params, chat=chat):
@@ -204,7 +205,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _torchrun_ranks() -> tuple[int, int] | None:
     """``(rank, world_size)`` when torchrun launched more than one rank, else ``None``."""
     try:
-        world_size, rank = int(os.environ.get("WORLD_SIZE") or 1), int(os.environ.get("RANK") or 0)
+        world_size = int(envs.get("WORLD_SIZE") or 1)
+        rank = int(envs.get("RANK") or 0)
     except ValueError:
         return None  # joining the group refuses the bad variable with a clear error
     return (rank, world_size) if world_size > 1 else None

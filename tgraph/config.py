@@ -11,6 +11,11 @@ command-line overrides win over both::
 Every key and value is checked against :data:`SCHEMA`; an unknown key, a wrong type or an invalid
 choice raises :class:`~tgraph.errors.ConfigError` naming the key, the value and what was expected.
 To add a setting, add it to both JSON files and one line to :data:`SCHEMA`.
+
+The kernels' launch settings, ``llm.engine.tuning.*``, come from the dataclasses of
+:mod:`tgraph.tuning` (their schema, types, docs and defaults), so the JSON files need not list
+them; :func:`tuning_of` builds the :class:`~tgraph.tuning.Tuning` an engine holds.
+``python -m tgraph.config --tuning`` prints every tuning key with its default and reason.
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from tgraph import tuning
 from tgraph.errors import ConfigError
 
-__all__ = ["Settings", "load_settings", "default_settings_path", "SCHEMA", "Field"]
+__all__ = ["Settings", "load_settings", "default_settings_path", "SCHEMA", "Field", "tuning_of"]
 
 _DEFAULTS_FILE = Path(__file__).with_name("default_config.json")
 _MISSING = object()
@@ -137,6 +143,21 @@ def _rules() -> Check:
     return check
 
 
+def _tuning_leaf(tp: Any, minimum: int) -> Check:
+    def check(key: str, value: Any) -> Any:
+        try:
+            return tuning.to_dict(tuning.convert(key, tp, value, minimum))
+        except ValueError as exc:
+            raise _fail(key, value, str(exc).replace(f"'{key}' must be ", "")) from None
+
+    return check
+
+
+def _tuning_schema(tree: Mapping[str, Any]) -> dict[str, Any]:
+    return {name: _tuning_schema(node) if isinstance(node, dict) else
+            Field(_tuning_leaf(node[0], node[2]), node[1]) for name, node in tree.items()}
+
+
 #: Every setting: nested dicts mirror the JSON; leaves are :class:`Field`.
 SCHEMA: dict[str, Any] = {
     "llm": {
@@ -153,6 +174,7 @@ SCHEMA: dict[str, Any] = {
                 "at token buckets (0: prefill runs uncaptured)"),
             "disabled_passes": Field(_strings(), "names of graph passes to skip"),
             "rules": Field(_rules(), "extra fusion rules (path or inline), or null"),
+            "tuning": _tuning_schema(tuning.leaf_types()),
         },
         "cache": {
             "block_size": Field(_int(1), "tokens per KV-cache block"),
@@ -369,7 +391,7 @@ def _read_json(path: Path, what: str) -> Any:
         ) from exc
 
 
-def _parse_override(item: str) -> tuple[str, Any]:
+def parse_override(item: str) -> tuple[str, Any]:
     if not isinstance(item, str) or "=" not in item:
         raise ConfigError(
             f"override {item!r} must look like key.path=value, e.g. llm.engine.graph=eager"
@@ -396,14 +418,16 @@ def _nest(key: str, value: Any) -> dict[str, Any]:
 def load_settings(
     path: str | os.PathLike[str] | None = None,
     overrides: Iterable[str] | Mapping[str, Any] = (),
+    base: Settings | None = None,
 ) -> Settings:
-    """Build the settings: packaged defaults, then the user file, then overrides.
+    """Build the settings: packaged defaults (or ``base``), then the user file, then overrides.
 
     Args:
         path: a JSON file holding any subset of the settings, or ``None``.
         overrides: ``"key.path=value"`` strings (value parsed as JSON, else taken as a string, so
             ``llm.engine.graph=eager`` and ``llm.cache.num_blocks=null`` both work), or a mapping
             of dotted key -> already-typed value. Later overrides win.
+        base: settings to start from instead of the packaged defaults.
 
     Returns:
         The validated, immutable :class:`Settings`.
@@ -411,8 +435,15 @@ def load_settings(
     Raises:
         ConfigError: unreadable file, invalid JSON, unknown key, wrong type or invalid choice.
     """
-    defaults = _read_json(_DEFAULTS_FILE, "packaged defaults file")
-    merged = _validate(defaults, SCHEMA)
+    if base is not None:
+        merged = base.to_dict()
+    else:
+        defaults = _read_json(_DEFAULTS_FILE, "packaged defaults file")
+        # The tuning defaults are the dataclasses' own (the JSON files may still give some).
+        engine = defaults.get("llm", {}).get("engine", {})
+        engine["tuning"] = _merge(tuning.to_dict(tuning.Tuning()), engine.get("tuning", {}),
+                                  SCHEMA["llm"]["engine"]["tuning"])
+        merged = _validate(defaults, SCHEMA)
     _check_complete(merged, SCHEMA)
     if path is not None:
         user = _read_json(Path(path), "settings file")
@@ -423,7 +454,7 @@ def load_settings(
     if isinstance(overrides, str):
         overrides = [overrides]  # one override given bare, not a sequence of characters
     pairs = list(overrides.items()) if isinstance(overrides, Mapping) else [
-        _parse_override(item) for item in overrides
+        parse_override(item) for item in overrides
     ]
     for key, value in pairs:
         try:
@@ -431,3 +462,30 @@ def load_settings(
         except ConfigError as exc:
             raise ConfigError(f"override '{key}': {exc}") from None
     return Settings(copy.deepcopy(merged))
+
+
+def tuning_of(settings: Settings) -> tuning.Tuning:
+    """The kernels' launch settings (``llm.engine.tuning``) of ``settings`` as a typed object."""
+    return tuning.from_dict(tuning.Tuning, settings.get("llm.engine.tuning").to_dict())
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m tgraph.config [--tuning] [--set KEY=VALUE ...]``: print the settings."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tgraph.config", description=main.__doc__)
+    parser.add_argument("--config", help="a JSON settings file")
+    parser.add_argument("--set", nargs="*", default=[], dest="overrides", metavar="KEY=VALUE")
+    parser.add_argument("--tuning", action="store_true",
+                        help="list the kernel tuning keys with their values and reasons")
+    args = parser.parse_args(argv)
+    settings = load_settings(args.config, args.overrides)
+    if args.tuning:
+        for key, value, doc in tuning.describe(tuning_of(settings)):
+            print(f"{key} = {json.dumps(value)}\n    {doc}")
+    else:
+        print(json.dumps(settings.to_dict(), indent=2))
+
+
+if __name__ == "__main__":
+    main()

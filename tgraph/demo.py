@@ -7,11 +7,12 @@ through tgraph with greedy decoding, and prints whether the tokens agree and the
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
+
+from tgraph import envs
 
 DEMO_PROMPTS = [
     "The river began high in the mountains",
@@ -23,7 +24,8 @@ _DEMO_VERSION = 1
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TGRAPH_CACHE_DIR", Path.home() / ".cache" / "tgraph"))
+    """The directory the demo caches its model in (``TGRAPH_CACHE_DIR``, see tgraph.envs)."""
+    return envs.get("TGRAPH_CACHE_DIR")
 
 
 def build_demo_model(directory: Path) -> Path:
@@ -95,7 +97,8 @@ def run_demo(max_tokens: int = 24, graph: str = "static", device: str = "cpu",
     total = sum(len(r.token_ids) for r in results)
     engines = llm.model.engines
     decode = engines.get((False, ()))
-    print(f"tokens agree for {agree}/{len(prompts)} prompts (greedy, fp32, {llm.model.llm_config.device})")
+    device = llm.model.llm_config.device
+    print(f"tokens agree for {agree}/{len(prompts)} prompts (greedy, fp32, {device})")
     print(f"tgraph ({graph}): {total / ours_s:.1f} tokens/s, batched, continuous batching "
           f"(load + build {setup:.1f} s)")
     print(f"HF transformers eager: {total / hf_s:.1f} tokens/s, one prompt at a time")

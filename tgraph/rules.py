@@ -33,9 +33,10 @@ import importlib
 import inspect
 import re
 import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from tgraph.errors import ConfigError, TGraphError
 from tgraph.ir.ops.transfer import check_placement_exists, normalize_placement
@@ -117,7 +118,7 @@ def _import_class(path: Any, where: str) -> type:
             if err.name is not None and module_name.startswith(err.name):
                 continue
             raise _fail(where, f"importing {module_name!r} for {path!r} failed: {err}") from err
-        except Exception as err:  # noqa: BLE001 - any import-time failure is the user's to see
+        except Exception as err:
             raise _fail(where, f"importing {module_name!r} for {path!r} failed: "
                                f"{type(err).__name__}: {err}") from err
         try:
@@ -452,7 +453,7 @@ class LinearWithBackend(LinearBase):
             raise ValueError(f"backend must be one of {list(cls.BACKENDS)}, got {backend!r}")
 
     @classmethod
-    def from_module(cls, module: Module, backend: str = "triton") -> "LinearWithBackend":
+    def from_module(cls, module: Module, backend: str = "triton") -> LinearWithBackend:
         """Wrap ``module``'s weight and bias (the same Parameters, nothing copied).
 
         Args:
@@ -517,9 +518,9 @@ def dry_run(model_dir: str | Path, rules: str | Path | Sequence[Mapping[str, Any
     """
     import torch
 
-    from tgraph.models.base.config import ModelConfig
+    from tgraph.io.model_config import ModelConfig
+    from tgraph.io.weights import SafetensorFileLoader
     from tgraph.models.base.llm_config import LlmConfig
-    from tgraph.models.base.weight_loader import SafetensorFileLoader
     from tgraph.models.registry import load_module_map, resolve_model_class
 
     parsed = load_rules(rules, check_devices=False)  # a GPU rule file may be checked anywhere

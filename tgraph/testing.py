@@ -13,9 +13,10 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -55,7 +56,7 @@ def _family_classes(family: str) -> tuple[type, type]:
     return getattr(transformers, config_name), getattr(transformers, model_name)
 
 
-def tiny_hf_config(family: str, **overrides: Any) -> "PretrainedConfig":
+def tiny_hf_config(family: str, **overrides: Any) -> PretrainedConfig:
     """A tiny Hugging Face config of ``family`` (:data:`TINY_SHAPES` updated by ``overrides``).
 
     Args:
@@ -71,7 +72,7 @@ def tiny_hf_config(family: str, **overrides: Any) -> "PretrainedConfig":
 
 
 def random_hf_model(family: str, *, seed: int = 0, device: str | torch.device = "cpu",
-                    dtype: torch.dtype = torch.float32, **overrides: Any) -> "PreTrainedModel":
+                    dtype: torch.dtype = torch.float32, **overrides: Any) -> PreTrainedModel:
     """A Hugging Face causal LM of ``family`` with random weights, in eval mode.
 
     Hugging Face initialises norm scales to one and biases to zero, which would let a model that
@@ -323,7 +324,7 @@ def generate_greedy(model: Any, prompts: list[list[int]], steps: int) -> list[li
 
 
 @torch.no_grad()
-def hf_logits(hf_model: "PreTrainedModel", tokens: Sequence[int]) -> torch.Tensor:
+def hf_logits(hf_model: PreTrainedModel, tokens: Sequence[int]) -> torch.Tensor:
     """Logits of every position of ``tokens`` from one full-sequence forward, ``[len, vocab]``
     in fp32 (on the model's device)."""
     device = next(hf_model.parameters()).device
@@ -332,7 +333,7 @@ def hf_logits(hf_model: "PreTrainedModel", tokens: Sequence[int]) -> torch.Tenso
 
 
 @torch.no_grad()
-def hf_greedy(hf_model: "PreTrainedModel", prompts: list[list[int]], steps: int
+def hf_greedy(hf_model: PreTrainedModel, prompts: list[list[int]], steps: int
               ) -> list[list[int]]:
     """Greedy generation with a Hugging Face model by full-sequence forwards (no cache, no
     generation config): the oracle of :func:`generate_greedy`.

@@ -1,30 +1,36 @@
-"""The A/B tool's ``--set`` overrides: parsed strictly, applied only while variant B is built."""
+"""The A/B tool: two variants from settings overrides, parsed strictly, each with its own tuning."""
 from __future__ import annotations
 
 import pytest
 
-from tgraph.bench.ab import overridden, parse_override
-from tgraph.kernels.triton import attention_decode
+from tgraph.bench.ab import parse_variants
+from tgraph.config import tuning_of
 
 
-def test_override_is_applied_and_restored():
-    before = attention_decode.MIN_KEYS_PER_SPLIT
-    spec = parse_override("tgraph.kernels.triton.attention_decode.MIN_KEYS_PER_SPLIT=100000")
-    assert spec == (attention_decode, "MIN_KEYS_PER_SPLIT", 100000)
-    with overridden([spec]):
-        assert attention_decode.MIN_KEYS_PER_SPLIT == 100000
-        assert attention_decode.choose_num_splits(1, 8, 4096) == 1
-    assert attention_decode.MIN_KEYS_PER_SPLIT == before
+def test_variants_carry_their_own_settings():
+    a, b = parse_variants(["llm.engine.tuning.decode_attention.min_keys_per_split=100000"],
+                          ["llm.engine.tuning.gemv.tma_weights=false"], ["L2Prefetch"])
+    assert tuning_of(a.settings).decode_attention.min_keys_per_split == 100000
+    assert tuning_of(a.settings).gemv.tma_weights is True
+    assert tuning_of(b.settings).gemv.tma_weights is False
+    assert tuning_of(b.settings).decode_attention.min_keys_per_split == 256
+    assert a.llm_options["disabled_passes"] == ()
+    assert b.llm_options["disabled_passes"] == ("L2Prefetch",)
+    assert b.llm_options["tuning"] == tuning_of(b.settings)
+    assert "tma_weights=false" in b.label and "without L2Prefetch" in b.label
 
 
-@pytest.mark.parametrize("text, message", [
-    ("MIN_KEYS_PER_SPLIT", "MODULE.NAME=VALUE"),
-    ("tgraph.kernels.triton.attention_decode.NOPE=1", "no attribute 'NOPE'"),
-    ("tgraph.kernels.triton.attention_decode.MAX_SPLITS=many", "not a Python literal"),
+@pytest.mark.parametrize("set_a, set_b, message", [
+    ([], [], "differ by"),
+    (["llm.engine.tuning.gemv.tma=false"], [], "unknown setting"),
+    (["llm.engine.tuning.gemv.m1_stages=0"], [], "integer >= 1"),
+    (["tma_weights"], [], "key.path=value"),
+    (["llm.engine.tuning.gemv.tma_weights=true"], ["llm.engine.tuning.gemv.tma_weights=true"],
+     "same settings"),
 ])
-def test_bad_overrides_are_refused(text, message):
+def test_bad_variants_are_refused(set_a, set_b, message):
     with pytest.raises(SystemExit, match=message):
-        parse_override(text)
+        parse_variants(set_a, set_b)
 
 
 @pytest.mark.gpu
@@ -43,7 +49,7 @@ def test_captured_decode_stages_the_measured_batch_and_exposes_its_graphs():
               rms_norm_eps=1e-5, tie_word_embeddings=False)
     model = random_model(hf, random_weights(hf, torch.bfloat16, "cuda"), max_model_len=1024)
     meta = captured_decode(model, 2)
-    staging = list(model._graph_state()._staging.values())
+    staging = list(model._graph_state().step_inputs.stagings.values())
     assert len(staging) == 1 and staging[0].views["seq_len"].tolist() == [CONTEXT, CONTEXT]
     assert meta.seq_len == [CONTEXT, CONTEXT]
     # The bench times the captured bucket's graphs alone; other buckets have none.

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tgraph.bench.lora import lora_module_shapes, measure_lora_decode, write_random_adapter
+from tgraph.io.model_config import ModelConfig
 from tgraph.layers.lora import LORA_TARGET_MODULES, load_peft_adapter
-from tgraph.models.base.config import ModelConfig
 from tgraph.testing import PagedBatcher, hf_logits, random_hf_model
 
 REL_TOL = 1e-4

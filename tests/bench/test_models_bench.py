@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tgraph.bench.models import PresetResult, print_table, random_weights
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import DictWeightLoader
 from tgraph.models.loading import build_model
 
 HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=32,

@@ -1,6 +1,6 @@
 """Folding an Nsight Compute details CSV into one line per kernel (no GPU needed).
 
-The sample is real ncu output (H100, 2026-11-25, one Qwen2.5-0.5B batch-1 decode step), cut to two
+The sample is real ncu output (H100, one Qwen2.5-0.5B batch-1 decode step), cut to two
 kernels: the q|k|v projection (launch 3) and gate|up (launch 8)."""
 from __future__ import annotations
 

@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import pytest
 
-from tgraph.bench.timeline import (Kernel, advances, by_kind, kernels_of_trace, short_name,
-                                   split_steps, summarise)
+from tgraph.bench.timeline import (
+    Kernel,
+    advances,
+    by_kind,
+    kernels_of_trace,
+    short_name,
+    split_steps,
+    summarise,
+)
 
 
 def _trace(kernels):

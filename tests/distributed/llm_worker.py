@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
@@ -30,7 +31,7 @@ def _error(fn: Callable[[], Any]) -> list[str] | None:
     """``[type name, message]`` of what ``fn`` raised, or ``None``."""
     try:
         fn()
-    except Exception as err:  # noqa: BLE001 - the test compares what each rank raised
+    except Exception as err:
         return [type(err).__name__, str(err)]
     return None
 

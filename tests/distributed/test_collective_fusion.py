@@ -7,7 +7,7 @@ backends, and in the models) are checked by the 2-process launch in ``test_tp_gl
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch

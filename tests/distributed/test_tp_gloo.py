@@ -488,7 +488,7 @@ def test_reference_refuses_a_missing_group() -> None:
 # ---- config serialization, in process ------------------------------------------------------------
 
 def test_config_json_and_differences() -> None:
-    from tgraph.models.base.config import ModelConfig
+    from tgraph.io.model_config import ModelConfig
     from tgraph.models.base.llm_config import LlmConfig
 
     model = ModelConfig.from_dict({"model_type": "llama", "vocab_size": 128, "hidden_size": 64,

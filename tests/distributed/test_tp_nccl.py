@@ -1,5 +1,5 @@
 """2-process NCCL tensor parallelism at Llama-3.2-1B widths, with CUDA graphs and the collectives
-captured in them (needs 2 GPUs; the lead runs it on 2 H200s).
+captured in them (needs 2 GPUs).
 
 tp=2 (``tp_worker.py`` under torchrun, ``--capture``) is compared with tp=1 in this process
 (CUDA graphs captured too), both in the low-precision dtype on the same bf16/fp16 checkpoint,

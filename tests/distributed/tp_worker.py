@@ -15,8 +15,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -208,7 +209,7 @@ def _engine_report(model: Any) -> dict[str, Any]:
     from tgraph.ir.ops import OpCategory, get_op
 
     out = {}
-    for (is_prefill, features), engine in model.engines.items():
+    for (is_prefill, _features), engine in model.engines.items():
         collectives = [(n.op, bool(n.attrs.get("capturable")), seg.capturable)
                        for seg in engine.segments for n in seg.nodes
                        if get_op(n.op).category is OpCategory.COLLECTIVE]

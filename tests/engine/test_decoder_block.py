@@ -7,8 +7,8 @@ import torch
 
 from tgraph.errors import CaptureError, EngineInputError
 from tgraph.nn import functional as F
-from tgraph.nn.network_manager import recording
 from tgraph.nn.module import Parameter
+from tgraph.nn.network_manager import recording
 from tgraph.nn.tensor import Tensor
 
 T, HIDDEN, HQ, HK, D, INTER = 9, 64, 4, 2, 16, 96

@@ -8,13 +8,13 @@ import inspect
 import pytest
 import torch
 
+from tests.helpers import assert_close, poison_like
 from tgraph.errors import EngineInputError, GraphError, PassError, RecordError, TGraphError
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
 from tgraph.nn.network_manager import recording
 from tgraph.nn.tensor import Tensor
 from tgraph.passes import pass_names
-from tests.helpers import assert_close, poison_like
 
 f32 = torch.float32
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers import poison_like
 from tgraph.errors import ConfigError, EngineInputError, GraphError, RecordError
 from tgraph.ir.ops.transfer import normalize_placement, placement_device
 from tgraph.nn import functional as F
@@ -21,7 +22,6 @@ from tgraph.nn.tensor import Tensor
 from tgraph.passes.partition import infer_placement
 from tgraph.rules import apply_rules, load_rules, predict_placement
 from tgraph.testing import make_tiny_hf_model, run_greedy
-from tests.helpers import poison_like
 
 RULES_DIR = Path(__file__).parents[2] / "configs" / "rules"
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
@@ -122,8 +122,8 @@ def test_split_network_runs_like_the_single_device_one(backend: str) -> None:
     assert torch.equal(out, ref)
     if backend == "triton":  # one arena per device, both planned
         binding = engine._latest
-        assert binding is not None and set(binding.device_memory) == {"cpu:0", "cpu:1"}
-        assert all(m.arena_bytes > 0 for m in binding.device_memory.values())
+        assert binding is not None and set(binding.memory) == {"cpu:0", "cpu:1"}
+        assert all(m.arena_bytes > 0 for m in binding.memory.values())
 
 
 def test_explicit_copy_and_glue_code_outside_modules() -> None:

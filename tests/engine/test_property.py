@@ -15,18 +15,19 @@ may round differently, e.g. silu(x) vs x * sigmoid(x)).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers import assert_close, poison_like
 from tgraph.nn import functional as F
 from tgraph.nn.module import Parameter
 from tgraph.nn.network_manager import recording
 from tgraph.nn.tensor import Tensor
-from tests.helpers import assert_close, poison_like
 
 RTOL = ATOL = 1e-4
 

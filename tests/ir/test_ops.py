@@ -18,25 +18,26 @@ units of the dtype's last place); integer and bool results must match exactly.
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tgraph.layers.lora import lora_shrink_concat
+from tests.helpers import FLOAT_DTYPES, assert_close, output_names, run_engine, upcast
 from tgraph.ir.network import Network
 from tgraph.ir.ops import all_ops
 from tgraph.ir.value import Value
+from tgraph.layers.lora import lora_shrink_concat
 from tgraph.nn import distributed as D
 from tgraph.nn import functional as F
 from tgraph.nn.functional import ActType
 from tgraph.nn.module import Parameter
 from tgraph.nn.network_manager import recording
 from tgraph.nn.tensor import Tensor
-from tests.helpers import FLOAT_DTYPES, assert_close, output_names, run_engine, upcast
 
 INT_DTYPES = (torch.int32, torch.int64)
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
@@ -85,7 +86,7 @@ class OpInfo:
     samples: Callable[[torch.dtype], list[Sample]]
     dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
     fused_into: str | None = None
-    context: Callable[[], ContextManager[Any]] = nullcontext
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext
 
 
 # ---- input makers --------------------------------------------------------------------------------
@@ -632,15 +633,16 @@ def _cache_samples(dtype: torch.dtype) -> list[Sample]:
         slots_mapping[1] = slots_mapping[4] = -1  # padding tokens: skipped
         out.append(Sample({"k": rand(6, 2, 8, dtype=dtype), "v": rand(6, 2, 8, dtype=dtype),
                            "k_cache": rand(5, 4, 2, 8, dtype=dtype),
-                           "v_cache": rand(5, 4, 2, 8, dtype=dtype), "slots_mapping": slots_mapping},
+                           "v_cache": rand(5, 4, 2, 8, dtype=dtype),
+                           "slots_mapping": slots_mapping},
                           shapes={"k": ("num_tokens", 2, 8), "v": ("num_tokens", 2, 8),
                                   "slots_mapping": ("num_tokens",)}))
     return out
 
 
 CACHE_INFO = OpInfo("reshape_and_cache",
-                    lambda k, v, k_cache, v_cache, slots_mapping: F.reshape_and_cache(k, v, k_cache,
-                                                                              v_cache, slots_mapping),
+                    lambda k, v, k_cache, v_cache, slots_mapping: F.reshape_and_cache(
+                        k, v, k_cache, v_cache, slots_mapping),
                     cache_write_expect, _cache_samples)
 
 
@@ -811,7 +813,8 @@ def _rope_cache_samples(dtype: torch.dtype) -> list[Sample]:
         out.append(Sample({"q": rand(6, 4, 16, dtype=dtype), "k": rand(6, 2, 16, dtype=dtype),
                            "v": rand(6, 2, 16, dtype=dtype), "cos": cos, "sin": sin,
                            "k_cache": rand(5, 4, 2, 16, dtype=dtype),
-                           "v_cache": rand(5, 4, 2, 16, dtype=dtype), "slots_mapping": slots_mapping},
+                           "v_cache": rand(5, 4, 2, 16, dtype=dtype),
+                           "slots_mapping": slots_mapping},
                           {"interleaved": interleaved}))
     return out
 
@@ -1084,8 +1087,7 @@ TO_DEVICE_INFO = OpInfo("to_device", lambda x: F.to_device(x, "cpu:1"), lambda x
 # A hint: x comes back unchanged whatever the weights (the kernel prefetches them on CUDA only).
 PREFETCH_INFO = OpInfo(
     "l2_prefetch",
-    lambda x, w_o, w_gate_up: F.record("l2_prefetch", [x, w_o, w_gate_up], halves=(1, 2),
-                                       fraction=0.5),
+    lambda x, w_o, w_gate_up: F.record("l2_prefetch", [x, w_o, w_gate_up], halves=(1, 2)),
     lambda x, w_o, w_gate_up: x,
     lambda dtype: [Sample({"x": rand(3, 4, 8, dtype=dtype)}, shapes={"x": ("num_tokens", 4, 8)},
                           weights={"w_o": rand(32, 32, dtype=dtype),

@@ -249,7 +249,7 @@ def test_shape_rule_errors_at_record_time(build, fragments: list[str]) -> None:
 # Inputs and attributes of the ops whose rule is not "one tensor, no attributes".
 RULE_ARGS: dict[str, tuple[int, dict]] = {
     "to_device": (1, {"device": "cpu:1"}), "sdpa_attention": (6, {}),
-    "l2_prefetch": (3, {"halves": (1, 2), "fraction": 0.5}),
+    "l2_prefetch": (3, {"halves": (1, 2)}),
     "all_reduce_add_rms_norm": (3, {"eps": 1e-6, "world_size": 2}),
     "lora_shrink_concat": (7, {"lead": 0, "width": 0}),
     "rms_norm_lora_concat": (8, {"eps": 1e-6, "lead": 0, "width": 0}),
@@ -266,7 +266,8 @@ RULE_ARGS: dict[str, tuple[int, dict]] = {
     "squeeze": (1, {"dim": 0}), "split": (1, {"sizes": (1, 1), "dim": -1}),
     "cat": (2, {"dim": -1}), "gather": (2, {"dim": -1}), "rope": (4, {}),
     "reshape_and_cache": (5, {}), "paged_attention": (6, {}), "add_rms_norm": (3, {"eps": 1e-6}),
-    "rope_cache": (8, {}), "rope_cache_attention": (10, {}), "linear_epilogue": (4, {}), "norm_linear": (4, {"eps": 1e-6}),
+    "rope_cache": (8, {}), "rope_cache_attention": (10, {}), "linear_epilogue": (4, {}),
+    "norm_linear": (4, {"eps": 1e-6}),
     "all_reduce": (1, {"world_size": 2}), "all_gather": (1, {"dim": -1, "world_size": 2}),
 }
 # Rules that interpret a program attribute rather than their operands.
@@ -329,8 +330,8 @@ def test_to_dot_is_valid_dot() -> None:
     net = _small_net()
     dot = net.to_dot()
     if importlib.util.find_spec("pydot") is not None:
-        from networkx.drawing import nx_pydot
         import pydot
+        from networkx.drawing import nx_pydot
         graphs = pydot.graph_from_dot_data(dot)
         assert graphs and len(graphs) == 1
         g = nx_pydot.from_pydot(graphs[0])

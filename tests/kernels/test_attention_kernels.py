@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from tests.gpu_tiers import sweep
 from tests.helpers import capture_cuda_graph
 from tgraph.kernels.triton import attention_decode, attention_prefill
 from tgraph.kernels.triton.attention import (
@@ -30,6 +31,7 @@ from tgraph.kernels.triton.attention import (
     paged_attention_decode,
     paged_attention_prefill,
 )
+from tgraph.tuning import DecodeAttentionTuning, DecodeTiles
 
 TOL = {
     torch.float32: dict(atol=1e-5, rtol=1e-5),
@@ -522,11 +524,12 @@ def new_key_case(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, r
     return case, q_raw, q_rot, k_rot, new_key
 
 
-def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, compute_dtype):
+def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, compute_dtype,
+                  tuning=None):
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     out = torch.full_like(q_raw, float("nan"))
     paged_attention_decode(q_raw, k_cache, v_cache, case.block_table, case.seq_len, None, window,
-                           out, num_splits, new_key=new_key)
+                           out, num_splits, new_key=new_key, tuning=tuning)
     head_dim = q_raw.shape[-1]
     assert_close(out, reference_decode(case, q_rot, head_dim ** -0.5, window, compute_dtype))
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
@@ -551,14 +554,13 @@ def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, comput
                          ids=["full-s1", "window-s3", "partial-s3"])
 @pytest.mark.parametrize("early_kv", [True, False], ids=["early-kv", "kv-after-wait"])
 def test_decode_new_key_matches_rope_then_cache_then_attention(dtype, interleaved, rot_half,
-                                                                window, num_splits, early_kv,
-                                                                monkeypatch):
+                                                                window, num_splits, early_kv):
     # EARLY_KV: each split's first K/V tile is loaded apart from the loop (before the PDL wait
     # on a GPU); both launch variants must give the same function.
-    monkeypatch.setattr(attention_decode, "EARLY_KV_MAX_PROGRAMS_PER_SM", 1000 if early_kv else 0)
+    tuning = DecodeAttentionTuning(early_kv_max_programs_per_sm=1000 if early_kv else 0)
     case, q_raw, q_rot, k_rot, nk = new_key_case([37, 1, 0, 16, 5], 4, 2, 16, 4, dtype,
                                                  rot_half, interleaved)
-    check_new_key(case, q_raw, q_rot, k_rot, nk, window, num_splits, torch.float64)
+    check_new_key(case, q_raw, q_rot, k_rot, nk, window, num_splits, torch.float64, tuning)
 
 
 def test_decode_new_key_rejects_bad_input():
@@ -665,8 +667,8 @@ def test_choose_num_splits():
     for batch in (1, 3, 32, 256):
         for ctx in (16, 512, 4096, 131072):
             s = choose_num_splits(batch, 8, ctx)
-            assert s >= 1 and s & (s - 1) == 0 and s <= attention_decode.MAX_SPLITS
-            assert s == 1 or ctx // s >= attention_decode.MIN_KEYS_PER_SPLIT
+            assert s >= 1 and s & (s - 1) == 0 and s <= DecodeAttentionTuning().max_splits
+            assert s == 1 or ctx // s >= DecodeAttentionTuning().min_keys_per_split
     assert choose_num_splits(256, 8, 4096) == 1  # 2048 programs already fill 132 SMs
     assert choose_num_splits(32, 8, 4096) >= 2  # 256 programs: < 2 per SM without splitting
     assert choose_num_splits(16, 8, 4096) == 4  # 512 programs: one wave (measured, see the NOTE)
@@ -685,6 +687,12 @@ def test_decode_config_by_grid():
     assert cfg(64, True) == attention_decode.DecodeConfig(64, 4, 3)  # grid not known
     assert cfg(256, True, programs=8, num_sms=132).block_n == 32 == cfg(256, True).block_n
     assert cfg(64, False, programs=8).block_n == 16
+    # Tiles come from the tuning: an override wins on CUDA, the interpreter keeps its tiles.
+    override = DecodeAttentionTuning(override=DecodeTiles(block_n=128, num_warps=8, num_stages=2))
+    assert cfg(64, True, programs=8, tuning=override) == attention_decode.DecodeConfig(128, 8, 2)
+    assert cfg(64, False, programs=8, tuning=override).block_n == 16
+    wide = DecodeAttentionTuning(programs_per_sm=8)
+    assert choose_num_splits(16, 8, 4096, tuning=wide) > choose_num_splits(16, 8, 4096)
 
 
 # --------------------------------------------------------------------------- argument checks
@@ -751,17 +759,21 @@ def test_prefill_rejects_bad_input():
 
 # ------------------------------------------------------------------------ GPU, real shapes
 
-GPU_DTYPES = [torch.bfloat16, torch.float16]
+BF16, FP16 = torch.bfloat16, torch.float16
+GPU_DTYPES = [BF16, FP16]
 # (Hq, Hk): GQA ratios 1, 4, 8.
 GPU_HEADS = [(32, 32), (32, 8), (32, 4)]
+_IDS = (lambda d: str(d).replace("torch.", ""), lambda h: f"gqa{h[0] // h[1]}", None, None, None)
+# Every dtype, GQA ratio, head dim, block size and window appears in the gpu tier's cases.
+ATTENTION_SWEEP = sweep(
+    [GPU_DTYPES, GPU_HEADS, [64, 128], [16, 32], [None, 1024]],
+    fast=[(BF16, (32, 32), 64, 16, None), (BF16, (32, 8), 128, 32, 1024),
+          (BF16, (32, 4), 128, 16, None), (FP16, (32, 4), 64, 32, 1024),
+          (FP16, (32, 8), 64, 16, None), (FP16, (32, 32), 128, 32, 1024)],
+    ids=_IDS)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("window", [None, 1024])
+@pytest.mark.parametrize("dtype, heads, head_dim, block_size, window", ATTENTION_SWEEP)
 def test_gpu_prefill(dtype, heads, head_dim, block_size, window):
     # Plain prefills up to 2048 plus a 512-token chunk after 7680 tokens of context (8192 total).
     q_lens, seq_len = [2048, 1, 333, 512], [2048, 1, 333, 8192]
@@ -778,12 +790,7 @@ def test_gpu_prefill(dtype, heads, head_dim, block_size, window):
     assert_close(out, ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("window", [None, 1024])
+@pytest.mark.parametrize("dtype, heads, head_dim, block_size, window", ATTENTION_SWEEP)
 def test_gpu_decode(dtype, heads, head_dim, block_size, window):
     lens = [8192, 1, 4095, 0, 777, 2048, 16, 5000]
     case = make_case(lens, lens, heads[0], heads[1], head_dim, block_size, dtype)
@@ -818,14 +825,15 @@ GPU_PREFILL_CONFIGS = [
 ]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-# GQA 4 (Llama-3-8B), 7 (Qwen2.5-7B: 28/4, a group that does not divide a tile) and 1.
-@pytest.mark.parametrize("heads", [(32, 8), (28, 4), (32, 32)], ids=lambda h: f"{h[0]}q{h[1]}kv")
-@pytest.mark.parametrize("block_size", [16, 64])
-@pytest.mark.parametrize("window", [None, 1024])
+# GQA 4 (Llama-3-8B), 7 (Qwen2.5-7B: 28/4, a group that does not divide a tile) and 1. The gpu
+# tier runs the non-dividing group through the page table; each new-keys case (block size 16)
+# compiles 15 kernels (~30 s on an H100), so those are the slow tier's.
+@pytest.mark.parametrize("dtype, heads, block_size, window", sweep(
+    [GPU_DTYPES, [(32, 8), (28, 4), (32, 32)], [16, 64], [None, 1024]],
+    fast=[(BF16, (28, 4), 64, 1024)],
+    ids=(_IDS[0], lambda h: f"{h[0]}q{h[1]}kv", None, None)))
 def test_gpu_prefill_variants(dtype, heads, block_size, window):
-    """Every kernel variant (packing, prefetch, loop structure, tile shapes) at d=128, 8k context."""
+    """Each kernel variant (packing, prefetch, loop structure, tiles) at d=128, 8k context."""
     d = 128
     q_lens, seq_len = [2048, 1, 333, 512], [2048, 100, 333, 8192]
     case = make_case(q_lens, seq_len, heads[0], heads[1], d, block_size, dtype)
@@ -850,8 +858,7 @@ def test_gpu_prefill_variants(dtype, heads, block_size, window):
             assert_close(out, ref)
 
 
-@pytest.mark.gpu
-@pytest.mark.slow
+@pytest.mark.slow_gpu
 def test_gpu_sweep_candidates_are_correct():
     """Whatever tgraph.bench.tune_attention ranks first is safe to make the default."""
     from tgraph.bench.tune_attention import prefill_candidates
@@ -922,11 +929,10 @@ def _cuda_time(fn, iters: int = 50) -> float:
     return sorted(times)[len(times) // 2]
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"gqa{h[0] // h[1]}")
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype, heads, head_dim, block_size", sweep(
+    [GPU_DTYPES, GPU_HEADS, [64, 128], [16, 32]],
+    fast=[(BF16, (32, 8), 128, 16), (FP16, (32, 4), 64, 32), (BF16, (32, 32), 64, 32)],
+    ids=_IDS[:4]))
 def test_gpu_decode_new_key(dtype, heads, head_dim, block_size):
     lens = [8192, 1, 4095, 0, 777, 2048, 16, 5000]
     for interleaved, window in ((False, None), (True, 1024)):

@@ -41,7 +41,8 @@ def _reference(x, w, *, g=None, norm=False, gated=False, bias=None, residual=Non
 def _inputs(M, N_out, K, dtype, gated, device=DEV):
     rows = 2 * N_out if gated else N_out
     # Non-unit row scales: the norm must really divide by each row's own RMS.
-    x = (torch.randn(M, K, device=device) * torch.linspace(0.5, 3.0, M, device=device)[:, None]).to(dtype)
+    row_scale = torch.linspace(0.5, 3.0, M, device=device)[:, None]
+    x = (torch.randn(M, K, device=device) * row_scale).to(dtype)
     w = (torch.randn(rows, K, device=device) / K**0.5).to(dtype)
     g = (1 + 0.5 * torch.randn(K, device=device)).to(dtype)
     b = torch.randn(rows, device=device).to(dtype)
@@ -50,12 +51,13 @@ def _inputs(M, N_out, K, dtype, gated, device=DEV):
 
 
 def _run(M, N_out, K, dtype, *, gated, norm, with_g=True, bias=False, residual=False, split_k=None,
-         device=DEV, config=None):
+         device=DEV, config=None, tuning=None):
     x, w, g, b, r = _inputs(M, N_out, K, dtype, gated, device)
     out = torch.full((M, N_out), float("nan"), dtype=dtype, device=device)
     small_m_linear(x, w, out, bias=b if bias else None, residual=r if residual else None,
                    split_k=split_k, norm_eps=EPS if norm else None,
-                   norm_weight=g if norm and with_g else None, gated=gated, config=config)
+                   norm_weight=g if norm and with_g else None, gated=gated, config=config,
+                   **({} if tuning is None else {"tuning": tuning}))
     expected = _reference(x, w, g=g if with_g else None, norm=norm, gated=gated,
                           bias=b if bias else None, residual=r if residual else None)
     tol = TOL[dtype]
@@ -166,15 +168,18 @@ def test_fused_configs_swap_the_operands_at_16_rows():
     assert choose_config(2, 8192, 2048, "cpu", gated=True, norm=True) == (64, 256, 1, 4, 3)
 
 
-def test_config_overrides_replace_the_heuristic_for_their_shape(monkeypatch):
-    from tgraph.kernels.triton import gemv
+def test_config_overrides_replace_the_heuristic_for_their_shape():
+    from tgraph.tuning import GemvConfig, GemvOverride, GemvTuning
 
-    key = (16, 70, 200, False, True)  # (M bucket, N, K, gated, norm)
-    monkeypatch.setitem(gemv.CONFIG_OVERRIDES, key, (16, 64, 2, 4, 2))
-    assert choose_config(9, 70, 200, "cpu", norm=True) == (16, 64, 2, 4, 2)
-    assert choose_config(9, 70, 200, "cpu") != (16, 64, 2, 4, 2)  # another key: the heuristic
+    # (M bucket, N, K, gated, norm) -> launch
+    override = GemvOverride(block_m=16, n=70, k=200, gated=False, norm=True,
+                            config=GemvConfig(16, 64, 2, 4, 2))
+    tuning = GemvTuning(overrides=(override,))
+    assert choose_config(9, 70, 200, "cpu", norm=True, tuning=tuning) == (16, 64, 2, 4, 2)
+    assert choose_config(9, 70, 200, "cpu", norm=True) != (16, 64, 2, 4, 2)  # default tuning
+    assert choose_config(9, 70, 200, "cpu", tuning=tuning) != (16, 64, 2, 4, 2)  # another key
     # The overridden launch (16-column blocks, 2 splits with the norm pre-pass) is still exact.
-    _run(9, 70, 200, torch.float32, gated=False, norm=True, bias=True)
+    _run(9, 70, 200, torch.float32, gated=False, norm=True, bias=True, tuning=tuning)
 
 
 # --------------------------------------------------------------------------- GPU, real shapes
@@ -182,7 +187,8 @@ def test_config_overrides_replace_the_heuristic_for_their_shape(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("M", [1, 4, 16])
-@pytest.mark.parametrize("shape", [(3072, 2048), (8192, 2048), (6144, 4096), (14336, 4096), (4864, 896)])
+@pytest.mark.parametrize("shape", [(3072, 2048), (8192, 2048), (6144, 4096), (14336, 4096),
+                                   (4864, 896)])
 def test_gpu_fused_real_shapes(shape, M, dtype):
     N, K = shape
     _run(M, N, K, dtype, gated=False, norm=True, bias=True, device="cuda")

@@ -152,7 +152,8 @@ def test_small_m_linear_rejects_bad_input():
     with pytest.raises(ValueError, match="workspace must be contiguous with >= 64"):
         small_m_linear(xl, wl, out, workspace=torch.empty(10, device=DEV), split_k=2)
     with pytest.raises(TypeError, match="workspace must be float32"):
-        small_m_linear(xl, wl, out, workspace=torch.empty(64, device=DEV, dtype=torch.half), split_k=2)
+        small_m_linear(xl, wl, out, workspace=torch.empty(64, device=DEV, dtype=torch.half),
+                       split_k=2)
     with pytest.raises(ValueError, match="split_k must be a positive int"):
         small_m_linear(x, w, out, split_k=0)
     with pytest.raises(ValueError, match="config must be a tuple of 5 positive ints"):
@@ -166,7 +167,8 @@ def test_small_m_linear_rejects_bad_input():
 
 def test_choose_config_splits_evenly_and_fills_the_gpu_above_m1():
     for M in (1, 2, 4, 8, 16, 32):
-        for N, K in [(2048, 2048), (8192, 2048), (2048, 8192), (6144, 4096), (4096, 14336), (128256, 2048)]:
+        for N, K in [(2048, 2048), (8192, 2048), (2048, 8192), (6144, 4096), (4096, 14336),
+                     (128256, 2048)]:
             block_n, block_k, split_k, num_warps, _ = choose_config(M, N, K, "cpu")
             k_blocks = -(-K // block_k)
             per_split = -(-k_blocks // split_k)
@@ -291,7 +293,8 @@ def test_lora_linear_as_one_small_m_gemm(dtype, slots):
 
 # --------------------------------------------------------------------------- GPU, real shapes
 
-LINEAR_SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192), (6144, 4096), (4096, 14336), (128256, 2048)]
+LINEAR_SHAPES = [(2048, 2048), (8192, 2048), (2048, 8192), (6144, 4096), (4096, 14336),
+                 (128256, 2048)]
 
 
 @pytest.mark.gpu
@@ -320,7 +323,8 @@ def test_gpu_cuda_graph_capture():
     ws = torch.empty(workspace_size(M, N, split), device="cuda")
     ws_cat = torch.empty(workspace_size(M, N, choose_config(M, N, storage.shape[1], "cuda")[2]),
                          device="cuda")
-    base, out = torch.empty(M, N, dtype=dtype, device="cuda"), torch.empty(M, N, dtype=dtype, device="cuda")
+    base = torch.empty(M, N, dtype=dtype, device="cuda")
+    out = torch.empty(M, N, dtype=dtype, device="cuda")
     slots = _slots([1, 0, 3, 1], "cuda")
     counters = new_lora_counters("cuda")
     xcat = torch.empty(M, K + (L - 1) * R, dtype=dtype, device="cuda")

@@ -15,9 +15,13 @@ import pytest
 import torch
 
 from tgraph.ir.ops.lora import add_rms_norm_lora_concat_reference, rms_norm_lora_concat_reference
-from tgraph.kernels.fast_lora import add_rms_norm_lora_concat_into, rms_norm_lora_concat_into
 from tgraph.kernels.triton import lora as lora_kernels
 from tgraph.kernels.triton.lora import lora_prologue_concat, lora_segments, new_lora_counters
+from tgraph.kernels.triton_backend.lora import (
+    add_rms_norm_lora_concat_into,
+    rms_norm_lora_concat_into,
+)
+from tgraph.tuning import Tuning
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -136,12 +140,13 @@ def _wrapper_call(prologue: str, c: dict, width: int, summed_aliases_residual: b
     lora = (c["a"], c["scaling"], c["slots"], order, seg, new_lora_counters(DEV))
     out = torch.full((T, K + width), float("nan"), dtype=c["x"].dtype, device=DEV)
     if prologue == "rms_norm":
-        rms_norm_lora_concat_into([out], c["x"], c["w"], *lora, eps=EPS, lead=0, width=width)
+        rms_norm_lora_concat_into([out], c["x"], c["w"], *lora, tuning=Tuning(), eps=EPS, lead=0,
+                                  width=width)
         return out, None
     residual = c["r"].clone() if summed_aliases_residual else c["r"]
     summed = residual if summed_aliases_residual else torch.empty_like(c["r"])
-    add_rms_norm_lora_concat_into([out, summed], c["x"], residual, c["w"], *lora, eps=EPS, lead=0,
-                                  width=width)
+    add_rms_norm_lora_concat_into([out, summed], c["x"], residual, c["w"], *lora,
+                                  tuning=Tuning(), eps=EPS, lead=0, width=width)
     return out, summed
 
 

@@ -18,7 +18,6 @@ import pytest
 import torch
 
 from tests.helpers import capture_cuda_graph
-from tgraph.kernels.fast_lora import lora_shrink_concat_into
 from tgraph.kernels.triton import lora as lora_kernels
 from tgraph.kernels.triton.lora import (
     LORA_COUNTERS,
@@ -27,6 +26,8 @@ from tgraph.kernels.triton.lora import (
     lora_shrink_concat,
     new_lora_counters,
 )
+from tgraph.kernels.triton_backend.lora import lora_shrink_concat_into
+from tgraph.tuning import Tuning
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -125,14 +126,16 @@ def test_per_token_kernel_matches_reference(dtype, T, chunk_elems, R, monkeypatc
 
 def test_decode_batches_take_the_per_token_kernel(monkeypatch):
     launched = []
-    monkeypatch.setattr(lora_kernels, "_launch_rows", lambda *args: launched.append(args[0].shape[0]))
+    monkeypatch.setattr(lora_kernels, "_launch_rows",
+                        lambda *args: launched.append(args[0].shape[0]))
     T, K, R, L = 16, 64, 8, 3
     x, a, scaling, slots = _case(T, K, R, L, torch.float32)
     counters = new_lora_counters(DEV)
     lora_shrink_concat(x, a, scaling, slots, _nan((T, K + 2 * R), torch.float32), counters)
     assert launched == [16]
     # Tile options (splits, config) and more than 64 tokens select the slot-tile kernel.
-    lora_shrink_concat(x, a, scaling, slots, _nan((T, K + 2 * R), torch.float32), counters, splits=2)
+    lora_shrink_concat(x, a, scaling, slots, _nan((T, K + 2 * R), torch.float32), counters,
+                       splits=2)
     x, a, scaling, slots = _case(65, K, R, L, torch.float32)
     lora_shrink_concat(x, a, scaling, slots, _nan((65, K + 2 * R), torch.float32), counters)
     assert launched == [16]
@@ -155,7 +158,8 @@ def test_two_launches_reuse_the_counters_and_are_bit_identical():
     _check(first, x, a, scaling, slots, 0, 3 * R, torch.float32)
 
 
-@pytest.mark.parametrize("slot_values", [[0, 0, 0, 0], [2, 2, 2, 2]], ids=["all-base", "one-adapter"])
+@pytest.mark.parametrize("slot_values", [[0, 0, 0, 0], [2, 2, 2, 2]],
+                         ids=["all-base", "one-adapter"])
 @pytest.mark.parametrize("rows", [False, True], ids=["tiles", "per-token"])
 def test_degenerate_batches(slot_values, rows):
     T, K, R, L = 4, 300, 16, 3
@@ -173,8 +177,8 @@ def test_degenerate_batches(slot_values, rows):
 def test_out_of_range_slots_leave_their_rows_unwritten(rows):
     # Documented: a token outside [0, L) belongs to no tile (checking would need a host sync).
     T, K, R, L = 5, 64, 16, 3
-    x, a, scaling, slots = _case(T, K, R, L, torch.float32,
-                                 slots=torch.tensor([1, 7, -1, 2, 0], dtype=torch.int32, device=DEV))
+    slot_ids = torch.tensor([1, 7, -1, 2, 0], dtype=torch.int32, device=DEV)
+    x, a, scaling, slots = _case(T, K, R, L, torch.float32, slots=slot_ids)
     out = _nan((T, K + 2 * R), torch.float32)
     lora_shrink_concat(x, a, scaling, slots, out, new_lora_counters(DEV), rows=rows)
     assert out[1:3].isnan().all()
@@ -233,10 +237,11 @@ def test_graph_op_wrapper():
     out = _nan((T, K + 2 + 3 * R), torch.float32)
     counters = new_lora_counters(DEV)
     lora_shrink_concat_into([out], x, a, scaling, slots, order.to(torch.int32), seg, counters,
-                            lead=2, width=2 + 3 * R)
+                            tuning=Tuning(), lead=2, width=2 + 3 * R)
     _check(out, x, a, scaling, slots, 2, 2 + 3 * R, torch.float32)
     with pytest.raises(ValueError, match="must have K \\+ width = 1075 columns"):
-        lora_shrink_concat_into([out], x, a, scaling, slots, order, seg, counters, lead=2, width=51)
+        lora_shrink_concat_into([out], x, a, scaling, slots, order, seg, counters,
+                                tuning=Tuning(), lead=2, width=51)
 
 
 # --------------------------------------------------------------------------- the heuristic
@@ -327,7 +332,8 @@ for dtype, split, block_t, block_r in (("bf16", True, 16, 64), ("bf16", False, 6
                                        ("bf16", False, 64, 256)):
     consts = dict(SPLIT=split, F32_DOT=dtype == "fp32", BLOCK_T=block_t, BLOCK_R=block_r,
                   BLOCK_K=lora._block_k(16 if block_t == 16 else 4096, 4096), BLOCK_L=8,
-                  BLOCK_C=lora._BLOCK_C, SPLIT_BLOCK=lora._split_block(16 if split else 1, block_t, block_r),
+                  BLOCK_C=lora._BLOCK_C,
+                  SPLIT_BLOCK=lora._split_block(16 if split else 1, block_t, block_r),
                   PDL=True)
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):

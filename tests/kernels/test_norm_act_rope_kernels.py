@@ -1,7 +1,8 @@
 """Triton kernels for norms, SwiGLU, rope (+ paged-cache write) and embedding vs torch references.
 
 On CPU these run under ``TRITON_INTERPRET=1`` at small shapes; with CUDA the same tests run on the
-device, and the ``gpu`` tests add real LLM shapes (speed is measured by ``python -m tgraph.bench kernels``).
+device, and the ``gpu`` tests add real LLM shapes (speed is measured by
+``python -m tgraph.bench kernels``).
 
 References are computed in fp64 from the same inputs, then rounded the way the kernels round:
 to fp32 first, then once to the output dtype. Tolerances are in units of the output dtype's
@@ -72,7 +73,8 @@ def rtol_for(dtype: torch.dtype, roundings: int = 1) -> float:
 
 
 def assert_close(
-    actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float = 1e-5, same_rounding: bool = True
+    actual: torch.Tensor, expected: torch.Tensor, rtol: float, atol: float = 1e-5,
+    same_rounding: bool = True,
 ) -> None:
     """Within ``rtol``/``atol``; and for half-precision outputs of a reference that rounds like
     the kernel (``same_rounding``), bit-identical in all but a few elements."""
@@ -81,7 +83,9 @@ def assert_close(
         assert_rounded_like_reference(actual, expected.to(actual.dtype))
 
 
-def assert_rounded_like_reference(actual: torch.Tensor, expected: torch.Tensor, max_mismatch: float = 0.01) -> None:
+def assert_rounded_like_reference(
+    actual: torch.Tensor, expected: torch.Tensor, max_mismatch: float = 0.01
+) -> None:
     """Most elements must be bit-identical to the reference.
 
     The tolerance alone can't tell a rounding-order mistake (e.g. skipping HF's cast to the
@@ -92,7 +96,9 @@ def assert_rounded_like_reference(actual: torch.Tensor, expected: torch.Tensor, 
     """
     mismatches = int((actual != expected).sum())
     allowed = 2 + max_mismatch * actual.numel()
-    assert mismatches <= allowed, f"{mismatches} of {actual.numel()} elements differ from the reference"
+    assert mismatches <= allowed, (
+        f"{mismatches} of {actual.numel()} elements differ from the reference"
+    )
 
 
 def nan_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -115,7 +121,9 @@ def ref_rms_norm(x, weight, eps, out_dtype, norm_dtype):
     return rnd(normed.double() * weight.double(), out_dtype)
 
 
-def ref_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+def ref_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool
+) -> torch.Tensor:
     """fp64 rotary embedding of ``x [T, H, D]`` with per-token ``cos/sin [T, R/2]``."""
     half = cos.shape[1]
     xd = x.double()
@@ -241,7 +249,8 @@ def test_swiglu(dtype, m, n):
     assert_close(out, rnd(torch.nn.functional.silu(g) * u, dtype), rtol_for(dtype), atol=1e-6)
 
 
-@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # interpreter's numpy
+# The interpreter evaluates exp in numpy, which warns where it saturates to inf.
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_strided_rows_and_saturation(dtype):
     n = 48
@@ -295,7 +304,9 @@ def test_rope_matches_hf_llama_rotate_half():
     cos, sin = rope_tables(t, d // 2)
     # HF layout: q [B, H, T, D], cos/sin [B, T, D] holding the angles twice (cat(freqs, freqs)).
     cos_hf, sin_hf = torch.cat([cos, cos], -1)[None], torch.cat([sin, sin], -1)[None]
-    q_hf, k_hf = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_hf, sin_hf)
+    q_hf, k_hf = apply_rotary_pos_emb(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos_hf, sin_hf
+    )
     q_out, k_out = nan_like(q), nan_like(k)
     rope(q, k, cos, sin, q_out, k_out, False)
     assert_close(q_out, q_hf[0].transpose(0, 1), rtol=1e-5, same_rounding=False)
@@ -330,7 +341,9 @@ def _slots(block_size: int, num_blocks: int, slot_dtype: torch.dtype = torch.int
     n = block_size * num_blocks
     # Both ends of the cache, slots in several blocks, one past the end, and padding (-1) after
     # slot 0 so that a padding write clamped to slot 0 would clobber it.
-    return torch.tensor([5, 0, block_size + 2, n - 1, n, -1, 2 * block_size - 1], dtype=slot_dtype, device=DEVICE)
+    return torch.tensor(
+        [5, 0, block_size + 2, n - 1, n, -1, 2 * block_size - 1], dtype=slot_dtype, device=DEVICE
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -340,7 +353,8 @@ def test_rope_and_cache(dtype, interleaved, block_size):
     num_blocks, hq, hk, d, r = 3, 4, 2, 32, 16
     slots = _slots(block_size, num_blocks, torch.int32 if block_size == 16 else torch.int64)
     t = slots.shape[0]
-    q, k, v = randn(t, hq, d, dtype=dtype), randn(t, hk, d, dtype=dtype), randn(t, hk, d, dtype=dtype)
+    q, k, v = (randn(t, hq, d, dtype=dtype), randn(t, hk, d, dtype=dtype),
+               randn(t, hk, d, dtype=dtype))
     cos, sin = rope_tables(t, r // 2)
     k_cache = torch.full((num_blocks, block_size, hk, d), NAN, dtype=dtype, device=DEVICE)
     v_cache = k_cache.clone()
@@ -352,7 +366,8 @@ def test_rope_and_cache(dtype, interleaved, block_size):
     _check_cache(k_cache, slots, k_out)
     _check_cache(v_cache, slots, v)
     # Without k_out (the model's call: rotated keys only go to the cache) the same bits land.
-    k_cache2, v_cache2, q_out2 = torch.full_like(k_cache, NAN), torch.full_like(v_cache, NAN), nan_like(q)
+    k_cache2, v_cache2 = torch.full_like(k_cache, NAN), torch.full_like(v_cache, NAN)
+    q_out2 = nan_like(q)
     rope_and_cache(q, k, v, cos, sin, k_cache2, v_cache2, slots, q_out2, None, interleaved)
     for got, want in ((q_out2, q_out), (k_cache2, k_cache), (v_cache2, v_cache)):
         assert torch.equal(got.nan_to_num(7.0), want.nan_to_num(7.0))
@@ -403,39 +418,51 @@ def _bad_calls() -> dict:
     wide_cache = randn(2, 16, 4, 16)
     meta = torch.empty(4, 8, device="meta")
     return {
-        "not_a_tensor": (lambda: rms_norm(x.cpu().numpy(), w, 1e-6, out), TypeError, "rms_norm: x: .*torch.Tensor"),
-        "norm_int_dtype": (lambda: rms_norm(x.int(), w, 1e-6, out), ValueError, "rms_norm: x: expected float32"),
-        "norm_weight_len": (lambda: rms_norm(x, randn(7), 1e-6, out), ValueError, r"weight: expected shape \(8,\)"),
-        "norm_out_shape": (lambda: rms_norm(x, w, 1e-6, randn(4, 9)), ValueError, r"out: expected shape \(4, 8\)"),
-        "norm_3d": (lambda: rms_norm(x[None], w, 1e-6, out), ValueError, "x: expected a 2-D tensor"),
-        "norm_last_dim": (lambda: rms_norm(randn(8, 4).t(), w, 1e-6, out), ValueError, "x: the last dim .*contiguous"),
-        "add_norm_alias": (
-            lambda: add_rms_norm(x, x.clone(), w, 1e-6, out, out), ValueError, "out must not alias residual_out"
-        ),
-        "swiglu_odd": (lambda: swiglu(randn(4, 7), randn(4, 3)), ValueError, "swiglu: gate_up: expected an even"),
-        "swiglu_out_shape": (lambda: swiglu(randn(4, 8), randn(4, 8)), ValueError, r"out: expected shape \(4, 4\)"),
-        "rope_cos_fp16": (lambda: rope(q, k, cos.half(), cos, q, k, False), ValueError, "cos: expected dtype float32"),
-        "rope_r_gt_d": (lambda: rope(q, k, randn(3, 9), randn(3, 9), q, k, False), ValueError, "R <= head_dim=16"),
-        "rope_cos_tokens": (lambda: rope(q, k, cos[:2], cos[:2], q, k, False), ValueError, r"cos: expected shape \(3,"),
-        "rope_head_dim": (
-            lambda: rope(q, randn(3, 2, 8), cos, cos, q, randn(3, 2, 8), False), ValueError, "rope: k: expected shape"
-        ),
-        "rope_interleaved_int": (lambda: rope(q, k, cos, cos, q, k, 1), TypeError, "interleaved: expected a bool"),
+        "not_a_tensor": (lambda: rms_norm(x.cpu().numpy(), w, 1e-6, out), TypeError,
+                         "rms_norm: x: .*torch.Tensor"),
+        "norm_int_dtype": (lambda: rms_norm(x.int(), w, 1e-6, out), ValueError,
+                           "rms_norm: x: expected float32"),
+        "norm_weight_len": (lambda: rms_norm(x, randn(7), 1e-6, out), ValueError,
+                            r"weight: expected shape \(8,\)"),
+        "norm_out_shape": (lambda: rms_norm(x, w, 1e-6, randn(4, 9)), ValueError,
+                           r"out: expected shape \(4, 8\)"),
+        "norm_3d": (lambda: rms_norm(x[None], w, 1e-6, out), ValueError,
+                    "x: expected a 2-D tensor"),
+        "norm_last_dim": (lambda: rms_norm(randn(8, 4).t(), w, 1e-6, out), ValueError,
+                          "x: the last dim .*contiguous"),
+        "add_norm_alias": (lambda: add_rms_norm(x, x.clone(), w, 1e-6, out, out), ValueError,
+                           "out must not alias residual_out"),
+        "swiglu_odd": (lambda: swiglu(randn(4, 7), randn(4, 3)), ValueError,
+                       "swiglu: gate_up: expected an even"),
+        "swiglu_out_shape": (lambda: swiglu(randn(4, 8), randn(4, 8)), ValueError,
+                             r"out: expected shape \(4, 4\)"),
+        "rope_cos_fp16": (lambda: rope(q, k, cos.half(), cos, q, k, False), ValueError,
+                          "cos: expected dtype float32"),
+        "rope_r_gt_d": (lambda: rope(q, k, randn(3, 9), randn(3, 9), q, k, False), ValueError,
+                        "R <= head_dim=16"),
+        "rope_cos_tokens": (lambda: rope(q, k, cos[:2], cos[:2], q, k, False), ValueError,
+                            r"cos: expected shape \(3,"),
+        "rope_head_dim": (lambda: rope(q, randn(3, 2, 8), cos, cos, q, randn(3, 2, 8), False),
+                          ValueError, "rope: k: expected shape"),
+        "rope_interleaved_int": (lambda: rope(q, k, cos, cos, q, k, 1), TypeError,
+                                 "interleaved: expected a bool"),
         "cache_slots_float": (
             lambda: rope_and_cache(q, k, k, cos, cos, cache, cache, slots.float(), q, k, False),
             ValueError,
             "rope_and_cache: slots_mapping: expected dtype int32, int64",
         ),
-        "cache_heads": (
-            lambda: reshape_and_cache(k, k, wide_cache, wide_cache, slots), ValueError, "k_cache: expected shape"
-        ),
-        "cache_slots_len": (
-            lambda: reshape_and_cache(k, k, cache, cache, slots[:2]), ValueError, "slots_mapping: .*one slot per token"
-        ),
-        "embedding_ids": (lambda: embedding(randn(3), w[None], randn(3, 8)), ValueError, "embedding: ids: expected"),
-        "embedding_out": (lambda: embedding(slots, randn(5, 8), randn(3, 7)), ValueError, "out: expected shape"),
-        "meta_device": (lambda: rms_norm(meta, w.to("meta"), 1e-6, meta), ValueError, "need CUDA tensors"),
-        "mixed_devices": (lambda: rms_norm(x, w.to("meta"), 1e-6, out), ValueError, "all tensors must be on one"),
+        "cache_heads": (lambda: reshape_and_cache(k, k, wide_cache, wide_cache, slots), ValueError,
+                        "k_cache: expected shape"),
+        "cache_slots_len": (lambda: reshape_and_cache(k, k, cache, cache, slots[:2]), ValueError,
+                            "slots_mapping: .*one slot per token"),
+        "embedding_ids": (lambda: embedding(randn(3), w[None], randn(3, 8)), ValueError,
+                          "embedding: ids: expected"),
+        "embedding_out": (lambda: embedding(slots, randn(5, 8), randn(3, 7)), ValueError,
+                          "out: expected shape"),
+        "meta_device": (lambda: rms_norm(meta, w.to("meta"), 1e-6, meta), ValueError,
+                        "need CUDA tensors"),
+        "mixed_devices": (lambda: rms_norm(x, w.to("meta"), 1e-6, out), ValueError,
+                          "all tensors must be on one"),
     }
 
 
@@ -452,7 +479,8 @@ def test_bad_input_is_rejected(case):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", GPU_DTYPES)
-@pytest.mark.parametrize("m,n", [(4096, 4096), (7, 4096), (4096, 8192), (4096 * 32, 128)])  # last: q/k norm
+# The last shape is a q/k norm: many rows of one head's dims.
+@pytest.mark.parametrize("m,n", [(4096, 4096), (7, 4096), (4096, 8192), (4096 * 32, 128)])
 def test_gpu_norms(dtype, m, n):
     x, res, w = randn(m, n, dtype=dtype), randn(m, n, dtype=dtype), randn(n, dtype=dtype)
     out = nan_like(x)
@@ -499,7 +527,8 @@ def test_gpu_rope_and_cache(dtype, interleaved, block_size):
     num_blocks = t // block_size + 4
     slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:t]
     slots[::97] = -1
-    q, k, v = randn(t, hq, d, dtype=dtype), randn(t, hk, d, dtype=dtype), randn(t, hk, d, dtype=dtype)
+    q, k, v = (randn(t, hq, d, dtype=dtype), randn(t, hk, d, dtype=dtype),
+               randn(t, hk, d, dtype=dtype))
     cos, sin = rope_tables(t, d // 2)
     k_cache = torch.full((num_blocks, block_size, hk, d), NAN, dtype=dtype, device=DEVICE)
     v_cache = k_cache.clone()
@@ -558,25 +587,30 @@ def compile_sm90(fn, consts, num_warps, ptr_types=None, floats=()):
             attrs[(i,)] = [["tt.divisibility", 16]]
         else:
             sig[name] = "fp32" if name in floats else "i32"
-    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": num_warps})
 
 
 for n, residual in ((4096, False), (128, True), (20000, True)):
-    rows, block_n, warps, single = norms._config(n)
+    rows, block_n, warps, single = norms.launch_config(n)
     consts = dict(HAS_RESIDUAL=residual, ROWS=rows, BLOCK_N=block_n, SINGLE_PASS=single)
     compile_sm90(norms._rms_norm_kernel, consts, warps, floats=("eps",))
-rows, block_n, warps = activations._config(14336)
+rows, block_n, warps = activations.launch_config(14336)
 compile_sm90(activations._swiglu_kernel, dict(ROWS=rows, BLOCK_N=block_n), warps)
-rows, block_h, warps = embedding._config(4096)
-compile_sm90(embedding._embedding_kernel, dict(ROWS=rows, BLOCK_H=block_h), warps, {"ids_ptr": "*i64"})
+rows, block_h, warps = embedding.launch_config(4096)
+compile_sm90(embedding._embedding_kernel, dict(ROWS=rows, BLOCK_H=block_h), warps,
+             {"ids_ptr": "*i64"})
 tables = {"cos_ptr": "*fp32", "sin_ptr": "*fp32", "slots_ptr": "*i64"}
-for half, d, interleaved, cache, k_out in ((64, 128, True, True, True), (16, 80, False, False, True),
-                                           (0, 128, False, True, False), (64, 128, False, True, False)):
-    bhq, bhk, warps = rope._config(d, 32, 8)
+for half, d, interleaved, cache, k_out in ((64, 128, True, True, True),
+                                           (16, 80, False, False, True),
+                                           (0, 128, False, True, False),
+                                           (64, 128, False, True, False)):
+    bhq, bhk, warps = rope.launch_config(d, 32, 8)
     consts = dict(
         HALF=half, D=d, INTERLEAVED=interleaved, WRITE_K_OUT=k_out, WRITE_CACHE=cache, BLOCK_HQ=bhq,
         BLOCK_HK=bhk, BLOCK_HALF=triton.next_power_of_2(max(half, 1)),
-        BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if d > 2 * half else 0, BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_PASS=triton.next_power_of_2(d - 2 * half) if d > 2 * half else 0,
+        BLOCK_D=triton.next_power_of_2(d),
         IN_PLACE=not cache,
     )
     compile_sm90(rope._rope_cache_kernel, consts, warps, tables)

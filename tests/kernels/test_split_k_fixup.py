@@ -9,6 +9,7 @@ import torch
 import tgraph.kernels.triton.gemv as gemv
 from tests.helpers import linear_operands
 from tgraph.kernels.triton.gemv import arrival_counters, small_m_linear
+from tgraph.tuning import GemvTuning
 
 HAS_CUDA = torch.cuda.is_available()
 DEV = "cuda" if HAS_CUDA else "cpu"
@@ -30,12 +31,11 @@ def _operands(M, N, K, dtype, gated, seed=0):
 
 
 def _linear(monkeypatch, fixup, x, w, N, split_k, **kw):
-    monkeypatch.setattr(gemv, "SPLIT_K_FIXUP", fixup)
-    reduce = _Launches(gemv._split_k_reduce_kernel)
-    monkeypatch.setattr(gemv, "_split_k_reduce_kernel", reduce)
+    reduce = _Launches(gemv.split_k_reduce_kernel)
+    monkeypatch.setattr(gemv, "split_k_reduce_kernel", reduce)
     out = torch.full((x.shape[0], N), float("nan"), dtype=x.dtype, device=DEV)
-    small_m_linear(x, w, out, split_k=split_k, **kw)
-    monkeypatch.setattr(gemv, "_split_k_reduce_kernel", reduce.kernel)
+    small_m_linear(x, w, out, split_k=split_k, tuning=GemvTuning(split_k_fixup=fixup), **kw)
+    monkeypatch.setattr(gemv, "split_k_reduce_kernel", reduce.kernel)
     return out, reduce.count
 
 
@@ -72,8 +72,7 @@ def test_counters_are_left_zero_and_reused_by_the_next_launch(monkeypatch):
 def test_out_may_alias_the_residual(monkeypatch):
     x, w, b, r = _operands(3, 24, 4096, torch.float32, gated=False)
     expected, _ = _linear(monkeypatch, False, x, w, 24, 2, bias=b, residual=r)
-    monkeypatch.setattr(gemv, "SPLIT_K_FIXUP", True)
-    small_m_linear(x, w, r, bias=b, residual=r, split_k=2)
+    small_m_linear(x, w, r, bias=b, residual=r, split_k=2, tuning=GemvTuning(split_k_fixup=True))
     assert torch.equal(r, expected)
 
 
@@ -98,7 +97,7 @@ def test_counters_grow_and_keep_the_outgrown_buffer_alive():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 @pytest.mark.parametrize("case", ["plain", "norm swapped"])
-def test_one_launch_split_k_is_bit_identical_on_the_gpu(monkeypatch, case):
+def test_one_launch_split_k_is_bit_identical_on_the_gpu(case):
     # The real ticket race: many splits and tiles, arrival order left to the hardware.
     if case == "plain":  # 128 column blocks x 8 splits, operands not swapped
         M, N, K, config, kw = 16, 2048, 8192, (16, 256, 8, 4, 4), {}
@@ -109,10 +108,10 @@ def test_one_launch_split_k_is_bit_identical_on_the_gpu(monkeypatch, case):
     x, w, b, r = _operands(M, N, K, torch.bfloat16, gated=False, seed=3)
     outs = []
     for fixup in (False, True, True):
-        monkeypatch.setattr(gemv, "SPLIT_K_FIXUP", fixup)
         out = torch.empty(M, N, dtype=torch.bfloat16, device=DEV)
         for _ in range(3):
-            small_m_linear(x, w, out, bias=b, residual=r, config=config, **kw)
+            small_m_linear(x, w, out, bias=b, residual=r, config=config,
+                           tuning=GemvTuning(split_k_fixup=fixup), **kw)
         outs.append(out)
     torch.cuda.synchronize()
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[1], outs[2])

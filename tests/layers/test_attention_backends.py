@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers import assert_close, poison_like
 from tgraph.errors import ConfigError, RecordError
 from tgraph.layers.attention import Attention
 from tgraph.nn import functional as F
@@ -17,7 +18,6 @@ from tgraph.nn.network_manager import recording
 from tgraph.nn.tensor import Tensor
 from tgraph.rules import apply_rules, load_rules
 from tgraph.testing import PagedBatcher, make_tiny_hf_model, run_greedy
-from tests.helpers import assert_close, poison_like
 
 SDPA_RULE = [{"match": {"class": "tgraph.layers.attention.Attention"},
               "replace": {"class": "default", "kwargs": {"backend": "sdpa"}}}]
@@ -145,8 +145,8 @@ def test_sdpa_op_is_a_host_segment_and_needs_query_starts() -> None:
 
 # ------------------------------------------------------------------------------ the layer
 def _tiny_attention() -> Attention:
-    from tgraph.models.base.config import ModelConfig
-    from tgraph.models.base.weight_loader import DictWeightLoader
+    from tgraph.io.model_config import ModelConfig
+    from tgraph.io.weights import DictWeightLoader
 
     config = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 32,
                                     "num_attention_heads": 2, "num_key_value_heads": 1,

@@ -20,6 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from tgraph.errors import ConfigError, WeightLoadError
+from tgraph.io.weights import DictWeightLoader, SafetensorFileLoader
 from tgraph.layers.embedding import ParallelEmbedding
 from tgraph.layers.linear import (
     ColumnParallelLinear,
@@ -28,7 +29,6 @@ from tgraph.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
-from tgraph.models.base.weight_loader import DictWeightLoader, SafetensorFileLoader
 
 HIDDEN, HEAD_DIM = 16, 4
 
@@ -207,8 +207,8 @@ def test_wrong_checkpoint_shape_is_refused_before_sharding():
 WORKER = '''
 import os, sys
 import torch
-from tgraph.nn import distributed
 from tgraph.models import load_model
+from tgraph.nn import distributed
 from tgraph.testing import PagedBatcher
 
 info = distributed.init_process_group("cpu")

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from tgraph.errors import ConfigError
+from tgraph.io.model_config import ModelConfig
 from tgraph.layers.rope_scaling import SUPPORTED_ROPE_TYPES, cos_sin_table, rope_inv_freq
-from tgraph.models.base.config import ModelConfig
 
 MAX_POS = 32
 HEAD_DIM = 32

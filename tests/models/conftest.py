@@ -7,9 +7,10 @@ time only) and returns its directory together with the in-memory Hugging Face mo
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch

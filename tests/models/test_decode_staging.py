@@ -1,13 +1,16 @@
-"""The captured decode step's staging: a host array of every integer input, written per step
-(block-table rows only when they change), copied to the device by the graph itself."""
+"""A step's engine inputs: the captured decode step's staging (a host array of every integer
+input, written per step, block-table rows only when they change, copied to the device by the
+graph itself), and the agreement of the staged forms with the uncaptured one."""
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from tgraph.models.base.batch import BatchMeta, block_table_array
-from tgraph.models.base.graph import _Staging
+from tgraph.models.base.batch import BatchMeta, block_table_array, pad_prefill_arrays
+from tgraph.models.base.step_inputs import BATCH_FIELDS, Staging, StepInputs
 
 WIDTH = 6
 
@@ -23,10 +26,10 @@ def _batch(tables, seq_len, block_size=4):
 def _staging(bucket=3):
     shapes = {name: (bucket,) for name in ("input_ids", "position_ids", "slots_mapping", "seq_len")}
     shapes["block_table"] = (bucket, WIDTH)
-    return _Staging(shapes, torch.device("cpu"), {})
+    return Staging(shapes, torch.device("cpu"), {})
 
 
-def _check(staging: _Staging, batch: BatchMeta) -> None:
+def _check(staging: Staging, batch: BatchMeta) -> None:
     v = staging.views
     assert v["input_ids"].tolist() == list(batch.input_ids)
     assert v["position_ids"].tolist() == list(batch.position_ids)
@@ -67,7 +70,7 @@ def test_a_row_wider_than_the_table_is_refused():
 def test_feature_arrays_are_written():
     shapes = {name: (2,) for name in ("input_ids", "position_ids", "slots_mapping", "seq_len")}
     shapes.update(block_table=(2, WIDTH), lora_token_slots=(2,))
-    staging = _Staging(shapes, torch.device("cpu"), {})
+    staging = Staging(shapes, torch.device("cpu"), {})
     staging.write(_batch([[1], [2]], [1, 1]), {"lora_token_slots": np.array([3, 0], np.int32)})
     staging.upload()  # what the captured graph's prologue does
     assert staging.inputs["lora_token_slots"].tolist() == [3, 0]
@@ -97,3 +100,46 @@ def test_captured_decode_equals_uncaptured_across_block_boundaries(tmp_path):
     assert got.generated == ref.generated
     for a, b in zip(got.step_logits, ref.step_logits):
         assert torch.equal(a, b)
+
+
+# ---- StepInputs: the three forms of a step's inputs agree --------------------------------------
+def _step_inputs() -> StepInputs:
+    # StepInputs reads only the device and the block-table width of the serving config.
+    config = SimpleNamespace(device=torch.device("cpu"), max_blocks_per_seq=WIDTH)
+    inputs = StepInputs(config, {})  # type: ignore[arg-type]
+    inputs.reset([(torch.zeros(2), torch.ones(2))])
+    return inputs
+
+
+def test_decode_staging_holds_what_an_uncaptured_step_sends():
+    step = _step_inputs()
+    batch = _batch([[1, 2], [3], []], [7, 2, 0])
+    staging = step.decode_staged("sig", batch, ())
+    staging.upload()
+    want = step.uncaptured(batch)
+    assert set(staging.inputs) == set(want) == {*BATCH_FIELDS, "block_table", "k_cache_0",
+                                                "v_cache_0"}
+    for name, t in want.items():
+        assert torch.equal(staging.inputs[name], t), name
+    assert staging.inputs["k_cache_0"] is step.kv_caches[0][0]  # resident: the very tensor
+    # The next step of the signature reuses the same buffers.
+    assert step.decode_staged("sig", _batch([[1, 2], [3], [4]], [8, 3, 1]), ()) is staging
+
+
+def test_prefill_staging_holds_the_padded_step():
+    step = _step_inputs()
+    batch = BatchMeta(input_ids=[5, 6, 7, 8, 9], position_ids=[0, 1, 2, 0, 1],
+                      slots_mapping=[0, 1, 2, 4, 5], query_lens=[3, 2], seq_len=[3, 2],
+                      block_table=[[0], [1]])
+    staging = step.prefill_staged("sig", batch, tokens=8, seqs=4)
+    staging.upload()
+    want = pad_prefill_arrays(step.arrays(batch), tokens=8, seqs=4)
+    for name, a in want.items():
+        assert staging.inputs[name].tolist() == a.tolist(), name
+    assert staging.inputs["query_start_loc"].tolist() == [0, 3, 5, 5, 5]
+    # The unpadded step's inputs are the padded ones' leading rows.
+    plain = step.uncaptured(batch)
+    assert plain["input_ids"].tolist() == staging.inputs["input_ids"][:5].tolist()
+    assert plain["lm_head_indices"].tolist() == [2, 4]
+    step.reset(step.kv_caches)
+    assert not step.stagings  # new caches drop every staging

@@ -20,10 +20,11 @@ def test_dump_writes_every_intermediate_and_changes_nothing(tmp_path):
 
     model = load_model(model_dir, max_model_len=64)
     model.allocate_kv_cache(16)
-    model._graph_state().dump_dir = str(tmp_path / "dump")
+    model.dump_dir = str(tmp_path / "dump")
     assert generate_greedy(model, prompts, 3) == want
     files = sorted(p.name for p in (tmp_path / "dump").iterdir())
-    assert files == ["FlashLlamaForCausalLM_decode.json", "FlashLlamaForCausalLM_decode.safetensors",
+    assert files == ["FlashLlamaForCausalLM_decode.json",
+                     "FlashLlamaForCausalLM_decode.safetensors",
                      "FlashLlamaForCausalLM_prefill.json",
                      "FlashLlamaForCausalLM_prefill.safetensors"]
     tensors = load_file(str(tmp_path / "dump" / "FlashLlamaForCausalLM_prefill.safetensors"))

@@ -22,10 +22,10 @@ import torch
 
 from tests.models.conftest import load_tiny
 from tgraph.errors import ConfigError, RecordError, WeightLoadError
-from tgraph.ir.ops.lora import lora_shrink_concat_reference
-from tgraph.models.base.batch import BatchMeta
-from tgraph.kernels.triton.lora import LORA_COUNTERS, lora_segments, new_lora_counters
+from tgraph.ir.ops.lora import LORA_COUNTER_SLOTS, lora_shrink_concat_reference
+from tgraph.kernels.triton.lora import lora_segments, new_lora_counters
 from tgraph.layers.lora import lora_shrink_concat
+from tgraph.models.base.batch import BatchMeta
 from tgraph.nn import functional as F
 from tgraph.nn.module import Parameter
 from tgraph.nn.network_manager import new_network, recording
@@ -194,7 +194,8 @@ def test_multi_batch_arrays_follow_adapter_and_batch_changes(lora_setup):
     swapped = multi.batch_arrays(dataclasses.replace(decode, loras=["qv", None, "mlp"]))
     assert swapped["lora_token_slots"].tolist() == [1, 0, 2]
     prefill = dataclasses.replace(decode, query_lens=[2, 1, 1], input_ids=[1, 2, 3, 4],
-                                  position_ids=[4, 5, 5, 5], slots_mapping=[-1] * 4, is_prefill=True)
+                                  position_ids=[4, 5, 5, 5], slots_mapping=[-1] * 4,
+                                  is_prefill=True)
     assert multi.batch_arrays(prefill)["lora_token_slots"].tolist() == [2, 2, 0, 1]
     multi.unload("qv")
     multi.unload("mlp")
@@ -324,7 +325,7 @@ def _record_lora_linear(lead: int = 0):
             Tensor("x", torch.float32, ("t", 48)), Tensor("a", torch.float32, (4, 16, 48)),
             Tensor("s", torch.float32, (4,)), Tensor("slots", torch.int32, ("t",)),
             Tensor("order", torch.int32, ("t",)), Tensor("seg", torch.int32, (5,)),
-            Tensor("counters", torch.int32, (LORA_COUNTERS,)), lead=lead, width=lead + 48)
+            Tensor("counters", torch.int32, (LORA_COUNTER_SLOTS,)), lead=lead, width=lead + 48)
         net.mark_output(F.linear(xcat, Parameter(w_cat, name="w_cat")), "out")
     order, seg = lora_segments(slots, 4)
     inputs = {"x": x, "a": a, "s": scaling, "slots": slots, "order": order.to(torch.int32),
@@ -342,7 +343,8 @@ def test_lora_shrink_concat_reference():
     for t, s in enumerate(slots.tolist()):
         block = torch.zeros(55, dtype=torch.float64)
         if s:
-            block[3 + (s - 1) * 16:3 + s * 16] = scaling[s].double() * (a[s].double() @ x[t].double())
+            shrink = a[s].double() @ x[t].double()
+            block[3 + (s - 1) * 16:3 + s * 16] = scaling[s].double() * shrink
         assert rel_err(got[t, 48:], block) <= 1e-5 if s else torch.equal(got[t, 48:], block.float())
     assert (slots == 0).any() and (slots != 0).any()
     with pytest.raises(ValueError, match=r"token_slots must lie in \[0, 4\)"):
@@ -369,7 +371,7 @@ def test_lora_shrink_concat_shape_errors():
             Tensor("x", torch.float32, ("t", 48)), Tensor("a", torch.float32, a_shape),
             Tensor("s", torch.float32, (4,)), Tensor("slots", slot_dtype, ("t",)),
             Tensor("order", torch.int32, ("t",)), Tensor("seg", torch.int32, (5,)),
-            Tensor("counters", torch.int32, (LORA_COUNTERS,)), lead=lead, width=width)
+            Tensor("counters", torch.int32, (LORA_COUNTER_SLOTS,)), lead=lead, width=width)
 
     with recording(new_network("bad")):
         with pytest.raises(RecordError, match="x in_features vs a_stack dim 2 differ"):
@@ -473,7 +475,8 @@ def _peft_greedy(model: Any, prompt: list[int], steps: int) -> list[int]:
     tokens = list(prompt)
     with torch.no_grad():
         for _ in range(steps):
-            tokens.append(int(model(torch.tensor([tokens]), use_cache=False).logits[0, -1].argmax()))
+            logits = model(torch.tensor([tokens]), use_cache=False).logits
+            tokens.append(int(logits[0, -1].argmax()))
     return tokens[len(prompt):]
 
 

@@ -36,8 +36,8 @@ import torch
 
 from tgraph.bench.lora import write_random_adapter
 from tgraph.bench.models import random_weights
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import DictWeightLoader
 from tgraph.models.loading import build_model
 from tgraph.testing import PagedBatcher
 

@@ -8,9 +8,9 @@ import torch
 
 from tests.models.conftest import NUM_BLOCKS, PROMPTS, load_tiny
 from tgraph.errors import ConfigError
+from tgraph.io.model_config import ModelConfig
 from tgraph.models.base.batch import pad_prefill_arrays, prefill_token_bucket
 from tgraph.models.base.llm_config import LlmConfig
-from tgraph.models.base.config import ModelConfig
 from tgraph.testing import PagedBatcher, make_tiny_hf_model
 
 
@@ -88,9 +88,9 @@ def test_padded_signature_equals_the_unpadded_prefill(tiny_model, variant):
 
     model.allocate_kv_cache(NUM_BLOCKS)  # zeroed: the padded run must write the same slots
     engine = state.engines[(True, ())]
-    arrays = pad_prefill_arrays(state._input_arrays(batch, True, ()), tokens=64, seqs=8)
+    arrays = pad_prefill_arrays(state.step_inputs.arrays(batch), tokens=64, seqs=8)
     inputs = {name: torch.from_numpy(a) for name, a in arrays.items()}
-    inputs.update(state._resident_inputs(()))
+    inputs.update(state.step_inputs.resident())
     got = engine.forward(inputs)["model_out"][:len(prompts)]
     # fp32 on both sides; the linears see 64 rows instead of 36 (another blocking of the sums).
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
@@ -105,7 +105,7 @@ def test_cpu_prefill_runs_uncaptured(tiny_model):
     batcher = PagedBatcher.for_model(model)
     model.run(batcher.step([batcher.add(PROMPTS[0])]))
     state = model._graph_state()
-    assert not state.captured and not state._staging
+    assert not state.captured and not state.step_inputs.stagings
 
 
 def _prefill_signatures(model) -> list[tuple]:

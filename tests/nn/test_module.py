@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers import assert_close, poison_like
 from tgraph.errors import GraphError, WeightLoadError
 from tgraph.ir.value import ValueKind
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, ModuleDict, ModuleList, Parameter
 from tgraph.nn.network_manager import recording
 from tgraph.nn.tensor import Tensor
-from tests.helpers import assert_close, poison_like
 
 HIDDEN, HEADS, VOCAB, LAYERS = 16, 2, 11, 2
 
@@ -211,12 +211,12 @@ def test_module_registration_errors_and_attribute_handling() -> None:
 
     m = Linear(2, 2)
     with pytest.raises(AttributeError, match="Linear has no attribute 'wieght'"):
-        m.wieght
+        _ = m.wieght
     m.weight = Linear(2, 2)  # a module replaces a parameter of the same name
     assert "weight" not in dict(m.named_parameters()) and isinstance(m.weight, Linear)
     del m.weight
     with pytest.raises(AttributeError):
-        m.weight
+        _ = m.weight
     with pytest.raises(NotImplementedError, match="Module does not define forward"):
         Module()()
     root = CausalLM()

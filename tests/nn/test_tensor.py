@@ -7,12 +7,12 @@ import threading
 import pytest
 import torch
 
+from tests.helpers import assert_close, run_graph
 from tgraph.errors import RecordError
 from tgraph.ir.value import ValueKind
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import get_default_net, recording, reset_default_net
 from tgraph.nn.tensor import Tensor
-from tests.helpers import assert_close, run_graph
 
 f32 = torch.float32
 

@@ -9,14 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import build_with_triton_backend
 from tgraph.bench.lora import write_random_adapter
 from tgraph.bench.models import random_weights
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import DictWeightLoader
 from tgraph.models.loading import build_model
 from tgraph.testing import PagedBatcher
-
-from tests.helpers import build_with_triton_backend
 
 HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
           intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

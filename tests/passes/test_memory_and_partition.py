@@ -46,7 +46,7 @@ def test_plan_has_no_overlap_between_live_buffers():
     engine.forward({"x": torch.randn(16, 16)})
     binding = engine._latest
     spans = lifetimes(engine.net)
-    plan = binding.memory
+    plan = binding.memory[None]
     values = list(plan.offsets)
     for i, u in enumerate(values):
         for v in values[i + 1:]:

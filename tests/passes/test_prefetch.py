@@ -6,18 +6,17 @@ byte selection, and on a GPU the launch itself inside a captured decode step.
 """
 from __future__ import annotations
 
-
 import pytest
 import torch
 
+from tests.helpers import build_with_triton_backend
 from tgraph.bench.models import random_weights
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import DictWeightLoader
 from tgraph.kernels.triton import prefetch
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
 from tgraph.models.loading import build_model
 from tgraph.testing import PagedBatcher
-
-from tests.helpers import build_with_triton_backend
+from tgraph.tuning import PrefetchTuning
 
 HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64,
           intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
@@ -29,7 +28,8 @@ def _run(disabled: tuple[str, ...], device: str = "cpu", dtype=torch.float32, ba
     """A prefill and two decode steps of ``batch`` sequences; the model and every step's logits."""
     torch.manual_seed(0)
     weights = random_weights(HF, dtype, device)
-    model = build_model(ModelConfig.from_dict(HF), DictWeightLoader(weights, device=device, dtype=dtype),
+    model = build_model(ModelConfig.from_dict(HF),
+                        DictWeightLoader(weights, device=device, dtype=dtype),
                         max_model_len=64, disabled_passes=disabled)
     model.allocate_kv_cache(32)
     b = PagedBatcher.for_model(model)
@@ -106,7 +106,7 @@ def test_select_ahead_takes_whole_weights_then_leading_rows_of_both_halves():
 
 def test_prefetch_is_a_no_op_without_a_gpu_that_supports_it():
     x = torch.zeros(1, 4)
-    assert prefetch.prefetch_ahead(x, (_w(8, 64),), (1,), 0.5) == 0
+    assert prefetch.prefetch_ahead(x, (_w(8, 64),), (1,), PrefetchTuning()) == 0
     assert prefetch.prefetch_l2(_w(8, 64)) == 0
     with pytest.raises(ValueError, match="at most 4 weights"):
         prefetch.prefetch_l2(*[_w(2, 8)] * 5)
@@ -116,12 +116,16 @@ def test_prefetch_is_a_no_op_without_a_gpu_that_supports_it():
 def test_captured_decode_with_prefetch_is_bit_identical_gpu():
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("cp.async.bulk.prefetch needs Hopper or later")
-    # Batch 1: the steps the kernel prefetches for (MAX_ROWS).
+    # Batch 1: the steps the kernel prefetches for (PrefetchTuning.max_rows).
     model, with_pass = _run((), "cuda", torch.bfloat16, batch=1)
     _, without = _run(("L2Prefetch",), "cuda", torch.bfloat16, batch=1)
     for got, want in zip(with_pass, without):
         assert torch.equal(got, want)
     w = next(t for t in model.engines[(False, ())].weights.values() if t.dim() == 2)
     x = torch.zeros(1, 8, device="cuda", dtype=torch.bfloat16)
-    assert prefetch.prefetch_ahead(x, (w,), (1,), 0.5) > 0
+    assert prefetch.prefetch_ahead(x, (w,), (1,), PrefetchTuning()) > 0
+    # Two rows: above the default max_rows, nothing; a tuning that allows two prefetches.
+    x2 = torch.zeros(2, 8, device="cuda", dtype=torch.bfloat16)
+    assert prefetch.prefetch_ahead(x2, (w,), (1,), PrefetchTuning()) == 0
+    assert prefetch.prefetch_ahead(x2, (w,), (1,), PrefetchTuning(max_rows=2)) > 0
     torch.cuda.synchronize()

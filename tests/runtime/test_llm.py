@@ -245,3 +245,18 @@ def test_progress_bar_counts_generated_tokens(llama_dir, capsys):
     err = capsys.readouterr().err
     assert "generating" in err and "10/10" in err
     assert [len(o.token_ids) for o in outputs] == [5, 5]
+
+
+def test_tuning_settings_reach_every_engine(llama_dir: Path) -> None:
+    from tgraph.config import load_settings
+
+    base = load_settings(overrides=[
+        'llm.engine.tuning.decode_attention.override={"block_n": 32, "num_warps": 4, '
+        '"num_stages": 2}'])
+    llm = _llm(llama_dir, config=base, **{"llm.engine.tuning.gemv.tma_weights": False})
+    tuning = llm.model.llm_config.tuning
+    # Both the base Settings (an object-valued leaf) and the dotted override arrive.
+    assert tuning.gemv.tma_weights is False
+    assert tuning.decode_attention.override.block_n == 32
+    llm.generate([PROMPTS[0]], GREEDY)
+    assert llm.model.engines and all(e.tuning is tuning for e in llm.model.engines.values())

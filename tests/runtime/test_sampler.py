@@ -338,7 +338,8 @@ def test_cuda_mixed_batch(dtype):
                for n in torch.randint(1, 1000, (batch,))]
     history = PenaltyHistory.from_lists(outputs, prompts, device="cuda")
     params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.8,
-                             top_k=50 if i % 3 == 0 else 0, top_p=0.9 if i % 5 == 0 else 1.0, min_p=0.05 if i % 7 == 0 else 0.0,
+                             top_k=50 if i % 3 == 0 else 0, top_p=0.9 if i % 5 == 0 else 1.0,
+                             min_p=0.05 if i % 7 == 0 else 0.0,
                              repetition_penalty=1.1, frequency_penalty=0.2, presence_penalty=0.1,
                              seed=i if i % 2 else None, logprobs=5)
               for i in range(batch)]

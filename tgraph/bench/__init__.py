@@ -1,1 +1,2 @@
-"""Benchmarks run on a GPU: ``python -m tgraph.bench kernels`` and ``python -m tgraph.bench models``."""
+"""Benchmarks run on a GPU: ``python -m tgraph.bench kernels`` and
+``python -m tgraph.bench models``."""

@@ -10,7 +10,7 @@ import torch
 
 
 def main(name: str) -> None:
-    from tgraph.bench.models import _decode_batch, random_model, random_weights
+    from tgraph.bench.models import decode_batch, random_model, random_weights
     from tgraph.models.presets import preset
 
     hf_config = preset(name)
@@ -19,7 +19,7 @@ def main(name: str) -> None:
     model.allocate_kv_cache(64)
     torch.cuda.synchronize()
     start = time.perf_counter()
-    model.run(_decode_batch(1, 512, model.llm_config.block_size))
+    model.run(decode_batch(1, 512, model.llm_config.block_size))
     torch.cuda.synchronize()
     decode = time.perf_counter() - start
     print(json.dumps({"decode_engine_s": round(decode, 3),

@@ -5,8 +5,8 @@ numbers are device time, not Python launch overhead."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as torch_F
@@ -180,8 +180,8 @@ def bench_prefill_attention(ceil: Ceilings, dtype=torch.bfloat16) -> list[Kernel
     torch_ms = _device_ms(torch_version)
     results = []
     for name, new_kv in (("prefill attention", (k_rows, v_rows)), ("prefill attn (paged)", None)):
-        ms = _device_ms(lambda: paged_attention_prefill(q, kc, vc, table, lens, qsl, None, None, out,
-                                                        max_query_len=seq, new_kv=new_kv))
+        ms = _device_ms(lambda: paged_attention_prefill(q, kc, vc, table, lens, qsl, None, None,
+                                                        out, max_query_len=seq, new_kv=new_kv))
         tflops = flops / (ms * 1e-3) / 1e12
         results.append(KernelResult(name, f"{b}x{seq} {hq}/{hk} d={d}", ms, torch_ms,
                                     tflops=tflops, fraction=tflops / ceil.matmul_tflops,

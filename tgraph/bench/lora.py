@@ -29,15 +29,16 @@ import json
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
-from tgraph.bench.models import _decode_batch, random_weights
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
+from tgraph.bench.models import decode_batch, random_weights
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import DictWeightLoader
 from tgraph.models.loading import build_model
 from tgraph.models.presets import PRESETS, preset
 
@@ -287,7 +288,7 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
     _sync(device)
     result.capture_s = time.perf_counter() - start
 
-    meta = _decode_batch(batch, context, block_size)
+    meta = decode_batch(batch, context, block_size)
     mixed = dataclasses.replace(meta, loras=[names[i % max_loras] for i in range(batch)])
     # system -> (batch, the single adapter active during its steps)
     runs = {"base": (meta, None), "multi_lora": (mixed, None), "single_lora": (meta, names[0])}

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,10 +20,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from tgraph import envs
 from tgraph.bench.timing import Ceilings, host_ms, measure_ceilings, time_ms
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import DictWeightLoader
 from tgraph.models.base.batch import BatchMeta
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import DictWeightLoader
 from tgraph.models.loading import build_model
 from tgraph.models.presets import PRESETS, preset
 
@@ -70,7 +70,8 @@ def random_weights(hf_config: dict, dtype: torch.dtype, device: str) -> dict[str
 def random_model(hf_config: dict, weights: dict[str, torch.Tensor], **llm_options):
     """A tgraph model of ``hf_config`` on the GPU from ``weights`` (see :func:`random_weights`)."""
     return build_model(ModelConfig.from_dict(hf_config),
-                       DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16), **llm_options)
+                       DictWeightLoader(weights, device="cuda", dtype=torch.bfloat16),
+                       **llm_options)
 
 
 def captured_decode(model, batch: int) -> BatchMeta:
@@ -79,17 +80,17 @@ def captured_decode(model, batch: int) -> BatchMeta:
 
     NOTE: the run matters to whoever replays the captured graphs directly: a graph reads its
     step inputs from staging buffers, which hold the capture's placeholder batch (short
-    sequences) until a step writes them. Replays before any run measured Llama-3.2-1B batch 16
-    at 1.14 ms instead of 1.26 at context 512 (H100, 2026-11-25).
+    sequences) until a step writes them, so replays before any run time a shorter step than a
+    real one (docs/performance.md).
     """
     model.allocate_kv_cache(batch * (CONTEXT // model.llm_config.block_size + 2) + 1)
     model.capture_decode_graphs([batch])
-    meta = _decode_batch(batch, CONTEXT, model.llm_config.block_size)
+    meta = decode_batch(batch, CONTEXT, model.llm_config.block_size)
     model.run(meta)
     return meta
 
 
-def _decode_batch(b: int, ctx: int, block_size: int) -> BatchMeta:
+def decode_batch(b: int, ctx: int, block_size: int) -> BatchMeta:
     per = -(-(ctx + 1) // block_size)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
     return BatchMeta(input_ids=[1] * b, position_ids=[ctx - 1] * b,
@@ -121,7 +122,7 @@ def bench_tgraph(model, batches: list[int], result: PresetResult, label: str) ->
         model.capture_decode_graphs(batches)
     result.decode_ms[label] = {}
     for b in batches:
-        meta = _decode_batch(b, CONTEXT, c.block_size)
+        meta = decode_batch(b, CONTEXT, c.block_size)
         iters = 5 if label == "tgraph eager" else 30
         result.decode_ms[label][b] = time_ms(lambda: model.run(meta), warmup=3, iters=iters)
         if graphs:
@@ -151,7 +152,7 @@ def bench_hf(hf_config: dict, weights: dict, batches: list[int], result: PresetR
     if cfg.tie_word_embeddings:
         hf.tie_weights()
     hf = hf.eval()
-    for buf_name, buf in list(hf.named_buffers()):
+    for _buf_name, buf in list(hf.named_buffers()):
         if buf.device.type == "meta":  # rotary inv_freq: rebuild on the GPU
             hf.model.rotary_emb = type(hf.model.rotary_emb)(config=cfg, device="cuda")
             break
@@ -190,14 +191,13 @@ def bench_hf(hf_config: dict, weights: dict, batches: list[int], result: PresetR
                 del cache
             gc.collect()
             torch.cuda.empty_cache()
-    del hf
 
 
 def measure_build(preset_name: str) -> dict:
     """Engine build + first decode step, in fresh processes: cold then warm Triton cache."""
     out = {}
     with tempfile.TemporaryDirectory() as cache:
-        env = dict(os.environ, TRITON_CACHE_DIR=cache)
+        env = envs.child_environ(TRITON_CACHE_DIR=cache)
         for label in ("cold", "warm"):
             proc = subprocess.run([sys.executable, "-m", "tgraph.bench.build_time", preset_name],
                                   env=env, capture_output=True, text=True, timeout=600)

@@ -25,7 +25,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--trace", help="write a Chrome trace")
     parser.add_argument("--timeline", action="store_true",
-                        help="also print the replayed step kernel by kernel (tgraph.bench.timeline)")
+                        help="also print the replayed step kernel by kernel "
+                             "(tgraph.bench.timeline)")
     parser.add_argument("--ncu", action="store_true",
                         help="run one decode step inside cudaProfilerStart/Stop for ncu, no timing")
     parser.add_argument("--prefill", metavar="NxL",
@@ -54,9 +55,11 @@ def main() -> None:
           f"{len(engine.segments)} segments")
     print(f"  graph replay only: {time_ms(replay, iters=100):.3f} ms")
     print(f"  model.run (inputs + replay + logits): {time_ms(lambda: model.run(meta)):.3f} ms")
-    print(f"  host time of model.run (GPU idle before it): {host_ms(lambda: model.run(meta), iters=50):.3f} ms")
+    print(f"  host time of model.run (GPU idle before it): "
+          f"{host_ms(lambda: model.run(meta), iters=50):.3f} ms")
     prof = _profile(lambda: model.run(meta), 20, args.trace)
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                    max_name_column_width=60))
     if args.timeline:
         print_timeline(profile_step(replay), limit=None)
 
@@ -84,8 +87,9 @@ def profile_prefill(model, name: str, shape: str, trace: str | None) -> None:
     block_size = model.llm_config.block_size
     model.allocate_kv_cache(n * -(-length // block_size) + 1)
     meta = prefill_batch(n, length, block_size)
-    print(f"{name} prefill {n}x{length}: {time_ms(lambda: model.run(meta), warmup=2, iters=10):.2f} ms "
-          f"per call, host time {host_ms(lambda: model.run(meta), iters=5):.2f} ms")
+    print(f"{name} prefill {n}x{length}: "
+          f"{time_ms(lambda: model.run(meta), warmup=2, iters=10):.2f} ms per call, "
+          f"host time {host_ms(lambda: model.run(meta), iters=5):.2f} ms")
     table = _profile(lambda: model.run(meta), 5, trace).key_averages()
     print(table.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=60))
     print(table.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60))

@@ -17,8 +17,9 @@ import os
 import re
 import statistics
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = ["Kernel", "kernels_of_trace", "print_timeline", "profile_step", "short_name",
            "split_steps", "summarise"]

@@ -11,11 +11,12 @@ collective between graphs, as ``llm.engine.capture_collectives=false`` does).
 from __future__ import annotations
 
 import argparse
-import os
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from tgraph import envs
 from tgraph.ir.ops import OpCategory, get_op
 from tgraph.nn import distributed
 
@@ -59,15 +60,15 @@ def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool 
         batches: decode batch sizes.
         capture_collectives: record NCCL collectives capturable (one graph per step).
     """
-    from tgraph.bench.models import CONTEXT, _decode_batch, random_weights
+    from tgraph.bench.models import CONTEXT, decode_batch, random_weights
     from tgraph.bench.timing import time_ms
-    from tgraph.models.base.config import ModelConfig
-    from tgraph.models.base.weight_loader import DictWeightLoader
+    from tgraph.io.model_config import ModelConfig
+    from tgraph.io.weights import DictWeightLoader
     from tgraph.models.loading import build_model
     from tgraph.models.presets import preset
 
     info = None
-    if "WORLD_SIZE" in os.environ:  # torchrun (any N); a plain run is tp=1 without a group
+    if envs.WORLD_SIZE is not None:  # torchrun (any N); a plain run is tp=1 without a group
         info = distributed.init_process_group(capture_collectives=capture_collectives)
     rank, ws = (info.rank, info.world_size) if info else (0, 1)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -82,7 +83,7 @@ def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool 
     model.capture_decode_graphs(list(batches))
     rows = []
     for b in batches:
-        meta = _decode_batch(b, CONTEXT, model.llm_config.block_size)
+        meta = decode_batch(b, CONTEXT, model.llm_config.block_size)
         logits = model.run(meta)
         ms = time_ms(lambda: model.run(meta), warmup=3, iters=30)
         rows.append((b, ms, tuple(logits.shape)))

@@ -24,7 +24,7 @@ import argparse
 import dataclasses
 import itertools
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -34,7 +34,8 @@ from tgraph.bench.timing import measure_ceilings, time_ms
 _PREFILL_TILES = {(64, 4): (32, 64), (64, 8): (32, 64, 128), (128, 8): (32, 64, 128)}
 # How many of the best prefill configs are re-timed with one change each.
 _RECHECK = 6
-_RECHECK_VARIANTS = {"prefetch_off": {"prefetch_pages": False}, "three_loops": {"single_loop": False}}
+_RECHECK_VARIANTS = {"prefetch_off": {"prefetch_pages": False},
+                     "three_loops": {"single_loop": False}}
 
 
 def _ms(fn: Callable[[], object]) -> float | None:
@@ -253,19 +254,17 @@ def tune_rope(copy_gbps: float) -> dict:
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     nbytes = (2 * q.numel() + 3 * k.numel() + 2 * v.numel()) * 2 + 2 * cos.numel() * 4
     frac = lambda ms: nbytes / (ms * 1e-3) / 1e9 / copy_gbps  # noqa: E731
-    run = lambda: rope_mod.rope_and_cache(q, k, v, cos, sin, kc, vc, slots, qo, ko, False)  # noqa
-    original = rope_mod._config
+    def run(config=None):
+        rope_mod.rope_and_cache(q, k, v, cos, sin, kc, vc, slots, qo, ko, False, config)
+
     cur_ms = _ms(run)
-    print(f"rope+cache current {original(d, hq, hk)}: {cur_ms:.4f} ms ({frac(cur_ms):.0%} of copy)")
+    current = rope_mod.launch_config(d, hq, hk)
+    print(f"rope+cache current {current}: {cur_ms:.4f} ms ({frac(cur_ms):.0%} of copy)")
     results = []
-    try:
-        for bhq, bhk, warps in itertools.product((4, 8, 16, 32), (2, 4, 8), (1, 2, 4, 8)):
-            rope_mod._config = lambda *_a, c=(bhq, bhk, warps): c
-            ms = _ms(run)
-            if ms is not None:
-                results.append((ms, (bhq, bhk, warps)))
-    finally:
-        rope_mod._config = original
+    for bhq, bhk, warps in itertools.product((4, 8, 16, 32), (2, 4, 8), (1, 2, 4, 8)):
+        ms = _ms(lambda c=(bhq, bhk, warps): run(c))
+        if ms is not None:
+            results.append((ms, (bhq, bhk, warps)))
     results.sort(key=lambda r: r[0])
     for ms, cfg in results[:8]:
         print(f"  (BLOCK_HQ, BLOCK_HK, warps)={cfg}: {ms:.4f} ms ({frac(ms):.0%} of copy)")

@@ -24,6 +24,7 @@ import torch
 from tgraph.bench.timing import cold_copies, cold_ms, measure_ceilings
 from tgraph.kernels.triton import gemv
 from tgraph.kernels.triton.gemv import choose_config, small_m_linear
+from tgraph.tuning import GemvTuning
 
 SHAPES = [  # (N, K): llama-3.2-1b, qwen2.5-0.5b, llama-3-8b linears
     (3072, 2048), (2048, 2048), (16384, 2048), (2048, 8192), (128256, 2048),
@@ -37,8 +38,7 @@ def _space(m: int, widths=None, block_ks=None, warps=None, stages=None, splits=N
     if m == 1:
         axes = ((4, 8, 16), (512, 1024), (4, 8), (2, 3, 4), (1, 2))
     else:
-        # Output blocks of _SWAP_MIN_BLOCK_N or more swap the MMA operands (see
-        # tgraph.kernels.triton.gemv).
+        # Output blocks of GemvTuning.swap_min_block_n or more swap the MMA operands.
         axes = ((16, 32, 64, 128), (128, 256), (4,), (3, 4), (1, 2, 4))
     given = (widths, block_ks, warps, stages, splits)
     return itertools.product(*(g or default for g, default in zip(given, axes)))
@@ -73,12 +73,11 @@ def main() -> None:
     parser.add_argument("--splits", help="split_k values to sweep, comma separated")
     parser.add_argument("--swap-min", type=int,
                         help="narrowest 16-row output block that swaps the MMA operands "
-                             f"(default {gemv._SWAP_MIN_BLOCK_N})")
+                             f"(default {GemvTuning().swap_min_block_n})")
     args = parser.parse_args()
     axes = [tuple(int(v) for v in given.split(",")) if given else None
             for given in (args.widths, args.block_k, args.warps, args.stages, args.splits)]
-    if args.swap_min is not None:
-        gemv._SWAP_MIN_BLOCK_N = args.swap_min
+    tuning = GemvTuning() if args.swap_min is None else GemvTuning(swap_min_block_n=args.swap_min)
     shapes = ([tuple(int(v) for v in s.split(":")) for s in args.shapes.split(",")]
               if args.shapes else SHAPES)
     ceil = measure_ceilings()
@@ -92,7 +91,7 @@ def main() -> None:
             weights = cold_copies((rows, k))
             out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
             wide = torch.empty(m, rows, device="cuda", dtype=torch.bfloat16)
-            kw = _fusion_kwargs(args.fusion, m, n, k)
+            kw = {**_fusion_kwargs(args.fusion, m, n, k), "tuning": tuning}
             nbytes = (rows * k + m * k + m * n) * 2
             frac = lambda t: nbytes / (t * 1e-3) / 1e9 / ceil.copy_gbps  # noqa: E731
             cur = cold_ms(lambda w: small_m_linear(x, w, out, **kw), weights)
@@ -118,11 +117,12 @@ def main() -> None:
                     best = (t, cfg)
             row = dict(M=m, N=n, K=k, fusion=args.fusion, current=cur,
                        current_cfg=choose_config(m, n, k, "cuda", gated=gated,
-                                                 norm="norm" in args.fusion),
+                                                 norm="norm" in args.fusion, tuning=tuning),
                        best=best[0], best_cfg=best[1], cublas=cublas, chain=len(weights),
                        candidates=timed)
             results.append(row)
-            print(f"{args.fusion:<10} M={m:<3} N={n:<7} K={k:<6} current {cur * 1e3:7.2f}us {frac(cur):5.1%}  "
+            print(f"{args.fusion:<10} M={m:<3} N={n:<7} K={k:<6} "
+                  f"current {cur * 1e3:7.2f}us {frac(cur):5.1%}  "
                   f"best {best[0] * 1e3:7.2f}us {frac(best[0]):5.1%} {best[1]}  "
                   f"cublas {cublas * 1e3:7.2f}us {frac(cublas):5.1%}", flush=True)
             if failed:

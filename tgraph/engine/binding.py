@@ -11,8 +11,9 @@ device), and the call's device is the main one.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -21,6 +22,7 @@ from tgraph.ir.network import Network
 from tgraph.ir.ops import Meta, get_op
 from tgraph.ir.shape import ShapeRuleError, format_shape, resolve_dim
 from tgraph.ir.value import Value, ValueKind, scalar_dtype
+from tgraph.passes.memory import MemoryPlan
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str:
@@ -84,8 +86,9 @@ def _as_host_tensor(name: str, value: Any, spec: InputSpec) -> torch.Tensor:
     try:
         return torch.tensor(value, dtype=spec.dtype)
     except (TypeError, ValueError) as err:
-        raise EngineInputError(f"runtime param {name!r}: expected a CPU tensor or a list of numbers "
-                               f"for {spec.describe()}, got {type(value).__name__}") from err
+        raise EngineInputError(f"runtime param {name!r}: expected a CPU tensor or a list of "
+                               f"numbers for {spec.describe()}, "
+                               f"got {type(value).__name__}") from err
 
 
 def bind_inputs(specs: dict[str, InputSpec], inputs: Mapping[str, Any],
@@ -239,3 +242,23 @@ def _resolve_attrs(attrs: dict[str, Any], env: Mapping[str, int]) -> dict[str, A
         attrs = dict(attrs)
         attrs["shape"] = tuple(resolve_dim(d, env) for d in attrs["shape"])
     return attrs
+
+
+@dataclass
+class Binding:
+    """What depends on the concrete dims of one call signature: the shapes of every value, the
+    memory plan of each device label (``None``: the single device), the steps' attributes with
+    their symbols resolved, and the buffer views of the latest arena set they were built for."""
+
+    shapes: dict[Value, tuple[tuple[int, ...], torch.dtype]]
+    memory: dict[str | None, MemoryPlan]
+    attrs: dict[int, dict[str, Any]]
+    views: tuple[Any, list[list[torch.Tensor | None]]] | None = None  # (arena set, views)
+
+    @property
+    def arena_bytes(self) -> int:
+        return sum(m.arena_bytes for m in self.memory.values())
+
+    @property
+    def naive_bytes(self) -> int:
+        return sum(m.naive_bytes for m in self.memory.values())

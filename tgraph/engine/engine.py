@@ -2,28 +2,33 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
+from tgraph.engine.arena import ArenaSet, Label, buffer_views
 from tgraph.engine.binding import (
+    Binding,
     InputSpec,
     bind_inputs,
     fix_unknowns,
     infer_concrete,
     input_specs,
 )
+from tgraph.engine.capture import Capture, CapturedSignature, CaptureHandle
 from tgraph.engine.plan import LaunchPlan, is_pure_view, is_side_hint, lower
 from tgraph.errors import CaptureError, EngineInputError, GraphError
 from tgraph.ir.network import Network
 from tgraph.ir.ops import get_op
 from tgraph.ir.ops.transfer import placement_device
 from tgraph.ir.value import Value, ValueKind
+from tgraph.kernels.backends import select_kernel
 from tgraph.kernels.side_streams import join_forked
 from tgraph.passes.manager import PassManager, PassRecord
-from tgraph.passes.memory import MemoryPlan, alias_base, plan_memory
+from tgraph.passes.memory import alias_base, plan_memory
 from tgraph.passes.partition import (
     Placement,
     Segment,
@@ -33,8 +38,12 @@ from tgraph.passes.partition import (
     place_outputs,
 )
 from tgraph.passes.pipeline import default_pipeline
+from tgraph.tuning import Tuning
+
+__all__ = ["BACKENDS", "CaptureHandle", "Engine", "EngineStats", "build_engine"]
 
 _MAX_BINDINGS = 64
+BACKENDS = ("auto", "reference", "triton")
 
 
 @dataclass
@@ -54,58 +63,14 @@ class EngineStats:
 
 
 @dataclass
-class _Binding:
-    """What depends on the concrete dims of one call signature."""
+class _Call:
+    """One call's inputs bound to the engine: checked tensors, dims, device, plan and binding."""
 
-    shapes: dict[Value, tuple[tuple[int, ...], torch.dtype]]
-    memory: MemoryPlan
-    attrs: dict[int, dict[str, Any]]
-    buffers: list[list[torch.Tensor | None]] | None = None
-    buffers_arena: torch.Tensor | dict[str, torch.Tensor] | None = None
-    # A multi-device network: one memory plan (one arena) per device label; ``memory`` holds
-    # only the totals.
-    device_memory: dict[str, MemoryPlan] | None = None
-
-
-@dataclass
-class _Capture:
-    """A captured signature: static inputs, its own arena, the slots and one graph per segment.
-
-    ``held`` names the inputs the graphs read in place (the caller's tensors, by identity): the
-    ones the network writes (KV caches) and those the caller asked to keep by reference.
-    ``all_held`` means every input is held, so a call passing the very same tensor objects can
-    replay without binding or copying anything.
-    """
-
-    inputs: dict[str, torch.Tensor]
-    binding: _Binding
-    slots: list[Any]
-    graphs: list[Any]
+    tensors: dict[str, torch.Tensor]
+    device: torch.device | None
     plan: LaunchPlan
-    held: frozenset[str]
-    all_held: bool
-    prologue: Any = None  # the prologue's own graph, when the first segment is a host one
-    shared_arena: Any = None  # the engine's shared arena its buffers live in (share_arena)
-
-    def same_objects(self, inputs: Mapping[str, torch.Tensor]) -> bool:
-        """Whether ``inputs`` are exactly the captured tensor objects (same names, same objects)."""
-        if len(inputs) != len(self.inputs):
-            return False
-        for name, t in self.inputs.items():
-            if inputs.get(name) is not t:
-                return False
-        return True
-
-
-@dataclass(frozen=True, eq=False)
-class CaptureHandle:
-    """One captured signature of an engine, for :meth:`Engine.replay`."""
-
     key: tuple
-    capture: _Capture
-
-
-BACKENDS = ("auto", "reference", "triton")
+    binding: Binding
 
 
 class Engine:
@@ -116,16 +81,22 @@ class Engine:
     and the memory plan are recomputed, once per distinct signature).
 
     Backends: ``"reference"`` runs every op through its torch reference; ``"triton"`` runs fused
-    Triton kernels (and cuBLAS) writing into one arena planned by liveness; ``"auto"`` (default)
-    picks ``triton`` for CUDA inputs and ``reference`` otherwise.
+    Triton kernels (and cuBLAS) writing into one arena per device planned by liveness; ``"auto"``
+    (default) picks ``triton`` for CUDA inputs and ``reference`` otherwise. ``tuning`` holds the
+    kernels' launch settings (:class:`~tgraph.tuning.Tuning`; the measured defaults when None).
     """
 
     def __init__(self, net: Network, pass_records: Sequence[PassRecord] = (),
-                 backend: str = "auto", declared_inputs: Sequence[Value] | None = None) -> None:
+                 backend: str = "auto", declared_inputs: Sequence[Value] | None = None,
+                 tuning: Tuning | None = None) -> None:
         if backend not in BACKENDS:
             raise GraphError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
         self.net = net
         self.backend = backend
+        if tuning is not None and not isinstance(tuning, Tuning):
+            raise GraphError(f"tuning must be a tgraph.tuning.Tuning, got {type(tuning).__name__}"
+                             " (tgraph.config.tuning_of(settings) builds one from settings)")
+        self.tuning = Tuning() if tuning is None else tuning
         self.pass_records = list(pass_records)
         # A network spread over several devices: where each value lives (None: one device).
         # Its outputs are copied to the main device, where the caller gets them.
@@ -138,7 +109,33 @@ class Engine:
         self.specs: dict[str, InputSpec] = input_specs(
             declared_inputs or net.inputs, placed.of if placed else None,
             placed.main if placed else None)
-        self.weights: dict[Value, torch.Tensor] = {}
+        self.weights: dict[Value, torch.Tensor] = self._checked_weights(net)
+        self.segments: list[Segment] = partition(net, placement=placed)
+        self._segment_ranges: list[range] = []
+        first = 0
+        for seg in self.segments:
+            self._segment_ranges.append(range(first, first + len(seg.nodes)))
+            first += len(seg.nodes)
+        self._main_device = placement_device(placed.main) if placed else None
+        self._node_devices = None if placed is None else {
+            n: placement_device(placed.node_device(n)) for n in net.nodes}
+        # Per device label, the values that live elsewhere (not planned in its arena).
+        self._off_device: dict[Label, set[Value]] = {} if placed is None else {
+            label: {v for v, where in placed.of.items() if where != label}
+            for label in placed.devices}
+        self._plans: dict[str, LaunchPlan] = {}
+        self._bindings: OrderedDict[tuple, Binding] = OrderedDict()
+        self._latest: Binding | None = None
+        self._checked_devices: set[torch.device] = set()
+        self._arenas: ArenaSet | None = None  # the uncaptured calls' buffers
+        self._capture = Capture()
+        self._output_clone = {name: alias_base(net, v).kind is not ValueKind.INTERMEDIATE
+                              for name, v in net.outputs.items()}
+        self._mutated_inputs = self._find_mutated_inputs()
+
+    @staticmethod
+    def _checked_weights(net: Network) -> dict[Value, torch.Tensor]:
+        weights = {}
         for v in net.weights:
             if v.data is None:
                 raise GraphError(f"weight {v.name!r} ({v.describe()}) has no data; load the "
@@ -146,34 +143,8 @@ class Engine:
             if tuple(v.data.shape) != tuple(v.shape) or v.data.dtype != v.dtype:
                 raise GraphError(f"weight {v.name!r} holds {v.data.dtype}{list(v.data.shape)}, "
                                  f"but the network recorded {v.describe()}")
-            self.weights[v] = v.data
-        self.segments: list[Segment] = partition(net, placement=placed)
-        self._main_device = placement_device(placed.main) if placed else None
-        self._node_devices = None
-        self._off_device: dict[str, set[Value]] = {}
-        self._arenas: dict[str, torch.Tensor] = {}
-        self._arena_set: dict[str, torch.Tensor] | None = None
-        if placed is not None:
-            self._node_devices = {n: placement_device(placed.node_device(n)) for n in net.nodes}
-            self._off_device = {label: {v for v, where in placed.of.items() if where != label}
-                                for label in placed.devices}
-        self._plans: dict[str, LaunchPlan] = {}
-        self._bindings: OrderedDict[tuple, _Binding] = OrderedDict()
-        self._latest: _Binding | None = None
-        self._checked_devices: set[torch.device] = set()
-        self._arena: torch.Tensor | None = None
-        self._captures: dict[tuple, _Capture] = {}
-        # One arena per device for the captures made with share_arena (see capture).
-        self._shared_arenas: dict[torch.device, torch.Tensor] = {}
-        self._graph_pool: Any = None
-        self._output_clone = {name: alias_base(net, v).kind is not ValueKind.INTERMEDIATE
-                              for name, v in net.outputs.items()}
-        self._mutated_inputs = self._find_mutated_inputs()
-        self._segment_ranges = []
-        first = 0
-        for seg in self.segments:
-            self._segment_ranges.append(range(first, first + len(seg.nodes)))
-            first += len(seg.nodes)
+            weights[v] = v.data
+        return weights
 
     def _find_mutated_inputs(self) -> set[str]:
         """Inputs written in place (KV caches): a captured graph works on the caller's tensor."""
@@ -185,6 +156,9 @@ class Engine:
                     names.add(base.name)
         return names
 
+    def _label_of(self, v: Value) -> Label:
+        return None if self.placement is None else self.placement.of[v]
+
     # ---- plans --------------------------------------------------------------------------------
 
     def kernel_kind(self, device: torch.device | None) -> str:
@@ -194,14 +168,14 @@ class Engine:
         return "triton" if device is not None and device.type == "cuda" else "reference"
 
     def plan_for(self, device: torch.device | None) -> LaunchPlan:
+        """The launch plan for inputs on ``device`` (built on first use)."""
         kind = self.kernel_kind(device)
         if kind not in self._plans:
+            select = None
             if kind == "triton":
-                from tgraph.kernels.fast import fast_kernel
-
-                self._plans[kind] = lower(self.net, fast_kernel, self._node_devices)
-            else:
-                self._plans[kind] = lower(self.net, None, self._node_devices)
+                def select(node):
+                    return select_kernel(node, self.tuning)
+            self._plans[kind] = lower(self.net, select, self._node_devices)
         return self._plans[kind]
 
     @property
@@ -211,7 +185,69 @@ class Engine:
             return next(reversed(self._plans.values()))
         return self.plan_for(None)
 
-    # ---- running ----------------------------------------------------------------------------------
+    # ---- binding -----------------------------------------------------------------------------
+
+    def _prepare(self, inputs: Mapping[str, torch.Tensor],
+                 runtime_params: Mapping[str, Any] | None) -> _Call:
+        """Check and bind one call's inputs (the path every way of running an engine takes)."""
+        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params,
+                                           self._main_device)
+        if not self._bindings:
+            fix_unknowns(self.specs, tensors)
+        plan = self.plan_for(device)
+        key, binding = self._bind(tensors, env, plan)
+        if device is not None and device not in self._checked_devices:
+            self._check_weight_devices(device)
+        return _Call(tensors, device, plan, key, binding)
+
+    def _bind(self, tensors: Mapping[str, torch.Tensor], env: Mapping[str, int],
+              plan: LaunchPlan) -> tuple[tuple, Binding]:
+        key = (id(plan),) + tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
+        binding = self._bindings.get(key)
+        if binding is None:
+            shapes = infer_concrete(self.net, tensors, env)
+            if self.placement is None:
+                memory = {None: plan_memory(self.net, shapes)}
+            else:
+                memory = {label: plan_memory(self.net, shapes, exclude=off)
+                          for label, off in self._off_device.items()}
+            attrs = {}
+            for i, step in enumerate(plan.steps):
+                if step.symbolic_attrs:
+                    resolved = dict(step.attrs)
+                    resolved["shape"] = tuple(env.get(d, d) if isinstance(d, str) else d
+                                              for d in step.attrs["shape"])
+                    attrs[i] = resolved
+            binding = Binding(shapes, memory, attrs)
+            self._bindings[key] = binding
+            if len(self._bindings) > _MAX_BINDINGS:
+                old_key, _ = self._bindings.popitem(last=False)
+                self._capture.signatures.pop(old_key, None)
+        else:
+            self._bindings.move_to_end(key)
+        self._latest = binding
+        return key, binding
+
+    def _buffers(self, plan: LaunchPlan, binding: Binding, arenas: ArenaSet
+                 ) -> list[list[torch.Tensor | None]]:
+        """Buffer views of ``binding`` in ``arenas`` (cached while the arena set is the same)."""
+        if binding.views is not None and binding.views[0] is arenas:
+            return binding.views[1]
+        views = buffer_views(plan, binding.memory, binding.shapes, arenas, self._label_of)
+        binding.views = (arenas, views)
+        return views
+
+    def _uncaptured_buffers(self, call: _Call) -> list[list[torch.Tensor | None]] | None:
+        """Buffers of an uncaptured run, in the engine's arena set (grown as needed)."""
+        if not call.plan.uses_arena:
+            return None
+        if self._arenas is None:
+            self._arenas = ArenaSet.allocate(call.binding.memory, call.device)
+        else:
+            self._arenas = self._arenas.grown(call.binding.memory, call.device)
+        return self._buffers(call.plan, call.binding, self._arenas)
+
+    # ---- running ---------------------------------------------------------------------------------
 
     def forward(self, inputs: Mapping[str, torch.Tensor],
                 outputs: Mapping[str, torch.Tensor] | None = None,
@@ -230,53 +266,55 @@ class Engine:
         """
         if outputs is None and not runtime_params:
             # Fast path: the very tensors a graph was captured with (checked when captured).
-            for capture in self._captures.values():
-                if capture.all_held and capture.same_objects(inputs):
-                    self._replay(capture)
-                    return self._collect(capture.plan, capture.slots, None)
-        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params,
-                                           self._main_device)
-        if not self._bindings:
-            fix_unknowns(self.specs, tensors)
-        plan = self.plan_for(device)
-        key, binding = self._bind(tensors, env, plan)
-        if device is not None and device not in self._checked_devices:
-            self._check_weight_devices(device)
+            signature = self._capture.match_held(inputs)
+            if signature is not None:
+                self._replay(signature)
+                return self._collect(signature.plan, signature.slots, None)
+        call = self._prepare(inputs, runtime_params)
         if outputs is not None:
-            self._check_outputs(outputs, binding, device, tensors)
-
-        capture = self._captures.get(key)
-        if capture is not None:
-            for name, t in tensors.items():
-                static = capture.inputs[name]
-                if name in capture.held:
-                    if static.data_ptr() != t.data_ptr():
-                        why = ("updated in place by the captured graph" if name in
-                               self._mutated_inputs else "held by reference (by_reference)")
-                        raise EngineInputError(
-                            f"input {name!r} is {why}, and the graph was captured with another "
-                            "tensor; pass the same tensor (e.g. the same KV cache) or capture "
-                            "again")
-                else:
-                    static.copy_(t)
-            slots = capture.slots
-            self._replay(capture)
+            self._check_outputs(outputs, call)
+        signature = self._capture.signatures.get(call.key)
+        if signature is not None:
+            signature.load(call.tensors, self._mutated_inputs)
+            self._replay(signature)
+            slots = signature.slots
         else:
-            slots = self._initial_slots(plan, tensors)
-            self._run_steps(plan, range(len(plan.steps)), slots, binding, device)
-        return self._collect(plan, slots, outputs)
+            slots = self._initial_slots(call.plan, call.tensors)
+            self._run_steps(call.plan, range(len(call.plan.steps)), slots,
+                            self._uncaptured_buffers(call), call.binding)
+        return self._collect(call.plan, slots, outputs)
 
     __call__ = forward
 
-    def _replay(self, capture: _Capture) -> None:
-        if capture.prologue is not None:
-            capture.prologue.replay()
-        for graph, steps in zip(capture.graphs, self._segment_ranges):
+    def intermediates(self, inputs: Mapping[str, torch.Tensor],
+                      runtime_params: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
+        """Run once without CUDA graphs and return every node's outputs by name, for accuracy
+        analysis: ``"{index:04d}.{op}.{label}"`` (label as in ``str(network)``). Inputs declared as
+        written in place (the KV cache) are updated as by ``forward``."""
+        call = self._prepare(inputs, runtime_params)
+        plan = call.plan
+        slots = self._initial_slots(plan, call.tensors)
+        self._run_steps(plan, range(len(plan.steps)), slots, self._uncaptured_buffers(call),
+                        call.binding, release=False)
+        labels = self.net.local_labels()
+        out = {}
+        for i, step in enumerate(plan.steps):
+            for v, slot in zip(step.node.outputs, step.out_slots):
+                value = slots[slot]
+                if isinstance(value, torch.Tensor):
+                    name = labels.get(v, v.label()).lstrip("%")
+                    out[f"{i:04d}.{step.node.op}.{name}"] = value.detach().clone()
+        return out
+
+    def _replay(self, signature: CapturedSignature) -> None:
+        if signature.prologue is not None:
+            signature.prologue.replay()
+        for graph, steps in zip(signature.graphs, self._segment_ranges):
             if graph is not None:
                 graph.replay()
             else:
-                self._run_steps(capture.plan, steps, capture.slots, capture.binding,
-                                release=False)
+                self._run_steps(signature.plan, steps, signature.slots, signature.buffers,
+                                signature.binding, release=False)
 
     def _initial_slots(self, plan: LaunchPlan, tensors: Mapping[str, torch.Tensor]) -> list[Any]:
         slots: list[Any] = [None] * plan.num_slots
@@ -288,11 +326,9 @@ class Engine:
             slots[slot] = data
         return slots
 
-    def _run_steps(self, plan: LaunchPlan, steps: range, slots: list[Any], binding: _Binding,
-                   device: torch.device | None = None, release: bool = True) -> None:
-        buffers = binding.buffers
-        if buffers is None and any(plan.steps[i].into for i in steps):
-            buffers = self._buffers(plan, binding, device)
+    def _run_steps(self, plan: LaunchPlan, steps: range, slots: list[Any],
+                   buffers: list[list[torch.Tensor | None]] | None, binding: Binding,
+                   release: bool = True) -> None:
         for i in steps:
             step = plan.steps[i]
             args = [None if s is None else slots[s] for s in step.in_slots]
@@ -320,137 +356,20 @@ class Engine:
             if outputs is not None:
                 outputs[name].copy_(value)
                 results[name] = outputs[name]
-            elif self._output_clone[name] or plan.uses_arena or self._captures:
+            elif self._output_clone[name] or plan.uses_arena or self._capture.signatures:
                 # Arena buffers and captured slots are reused by the next call: hand out a copy.
                 results[name] = value.clone()
             else:
                 results[name] = value
         return results
 
-    def _bind(self, tensors: Mapping[str, torch.Tensor], env: Mapping[str, int],
-              plan: LaunchPlan) -> tuple[tuple, _Binding]:
-        key = (id(plan),) + tuple((name, tuple(t.shape), t.dtype) for name, t in tensors.items())
-        binding = self._bindings.get(key)
-        if binding is None:
-            shapes = infer_concrete(self.net, tensors, env)
-            device_memory = None
-            if self.placement is None:
-                memory = plan_memory(self.net, shapes)
-            else:
-                device_memory = {label: plan_memory(self.net, shapes, exclude=off)
-                                 for label, off in self._off_device.items()}
-                memory = MemoryPlan(arena_bytes=sum(m.arena_bytes for m in device_memory.values()),
-                                    naive_bytes=sum(m.naive_bytes for m in device_memory.values()))
-            attrs = {}
-            for i, step in enumerate(plan.steps):
-                if step.symbolic_attrs:
-                    resolved = dict(step.attrs)
-                    resolved["shape"] = tuple(env.get(d, d) if isinstance(d, str) else d
-                                              for d in step.attrs["shape"])
-                    attrs[i] = resolved
-            binding = _Binding(shapes, memory, attrs, device_memory=device_memory)
-            self._bindings[key] = binding
-            if len(self._bindings) > _MAX_BINDINGS:
-                old_key, _ = self._bindings.popitem(last=False)
-                self._captures.pop(old_key, None)
-        else:
-            self._bindings.move_to_end(key)
-        self._latest = binding
-        return key, binding
-
-    def _buffers(self, plan: LaunchPlan, binding: _Binding, device: torch.device | None,
-                 arena: torch.Tensor | None = None) -> list[list[torch.Tensor | None]]:
-        """Views of the arena for every buffer output of every step (cached per arena)."""
-        if binding.device_memory is not None:
-            return self._placed_buffers(plan, binding, arena)
-        if arena is None:
-            need = max(binding.memory.arena_bytes, 1)
-            if self._arena is None or self._arena.device != device or self._arena.numel() < need:
-                self._arena = torch.empty(need, dtype=torch.uint8, device=device)
-            arena = self._arena
-        if binding.buffers is not None and binding.buffers_arena is arena:
-            return binding.buffers
-        buffers = []
-        for step in plan.steps:
-            outs = []
-            for v in step.node.outputs:
-                offset = binding.memory.offsets.get(v)
-                if offset is None:
-                    outs.append(None)
-                    continue
-                shape, dtype = binding.shapes[v]
-                nbytes = binding.memory.sizes[v]
-                outs.append(arena[offset:offset + nbytes].view(dtype).view(shape))
-            buffers.append(outs)
-        binding.buffers, binding.buffers_arena = buffers, arena
-        return buffers
-
-    def _placed_buffers(self, plan: LaunchPlan, binding: _Binding,
-                        arenas: dict[str, torch.Tensor] | None) -> list[list[torch.Tensor | None]]:
-        """:meth:`_buffers` of a multi-device network: one arena per device."""
-        memories = binding.device_memory
-        assert memories is not None and self.placement is not None
-        if arenas is None:
-            grown = self._arena_set is None
-            for label, memory in memories.items():
-                need = max(memory.arena_bytes, 1)
-                have = self._arenas.get(label)
-                if have is None or have.numel() < need:
-                    self._arenas[label] = torch.empty(need, dtype=torch.uint8,
-                                                      device=placement_device(label))
-                    grown = True
-            if grown:  # a new dict: bindings cached against the old arenas see the change
-                self._arena_set = dict(self._arenas)
-            arenas = self._arena_set
-        if binding.buffers is not None and binding.buffers_arena is arenas:
-            return binding.buffers
-        label_of = self.placement.of
-        buffers = []
-        for step in plan.steps:
-            outs = []
-            for v in step.node.outputs:
-                label = label_of[v]
-                offset = memories[label].offsets.get(v)
-                if offset is None:
-                    outs.append(None)
-                    continue
-                shape, dtype = binding.shapes[v]
-                nbytes = memories[label].sizes[v]
-                outs.append(arenas[label][offset:offset + nbytes].view(dtype).view(shape))
-            buffers.append(outs)
-        binding.buffers, binding.buffers_arena = buffers, arenas
-        return buffers
-
-    def intermediates(self, inputs: Mapping[str, torch.Tensor],
-                      runtime_params: Mapping[str, Any] | None = None) -> dict[str, torch.Tensor]:
-        """Run once without CUDA graphs and return every node's outputs by name, for accuracy
-        analysis: ``"{index:04d}.{op}.{label}"`` (label as in ``str(network)``). Inputs declared as
-        written in place (the KV cache) are updated as by ``forward``."""
-        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params,
-                                           self._main_device)
-        if not self._bindings:
-            fix_unknowns(self.specs, tensors)
-        plan = self.plan_for(device)
-        _, binding = self._bind(tensors, env, plan)
-        slots = self._initial_slots(plan, tensors)
-        self._run_steps(plan, range(len(plan.steps)), slots, binding, device, release=False)
-        labels = self.net.local_labels()
-        out = {}
-        for i, step in enumerate(plan.steps):
-            for v, slot in zip(step.node.outputs, step.out_slots):
-                value = slots[slot]
-                if isinstance(value, torch.Tensor):
-                    name = labels.get(v, v.label()).lstrip("%")
-                    out[f"{i:04d}.{step.node.op}.{name}"] = value.detach().clone()
-        return out
-
-    # ---- CUDA graphs -------------------------------------------------------------------------------
+    # ---- CUDA graphs -----------------------------------------------------------------------------
 
     def capture(self, inputs: Mapping[str, torch.Tensor],
                 runtime_params: Mapping[str, Any] | None = None, *,
                 by_reference: Iterable[str] = (),
                 prologue: Callable[[], None] | None = None,
-                share_arena: bool = False) -> "CaptureHandle":
+                share_arena: bool = False) -> CaptureHandle:
         """Capture CUDA graphs for the signature (shapes) of ``inputs``.
 
         Each capturable segment becomes one graph (host segments run eagerly between replays).
@@ -484,27 +403,24 @@ class Engine:
             CaptureError: if the inputs are not on CUDA or a kernel cannot be captured; the
                 original error is chained.
         """
-        tensors, env, device = bind_inputs(self.specs, inputs, runtime_params,
-                                           self._main_device)
+        call = self._prepare(inputs, runtime_params)
+        device = call.device
         if device is None or device.type != "cuda":
             raise CaptureError(f"CUDA graphs need CUDA inputs, got device {device}")
-        if not self._bindings:
-            fix_unknowns(self.specs, tensors)
-        self._check_weight_devices(device)
-        plan = self.plan_for(device)
-        key, shared = self._bind(tensors, env, plan)
-        binding = _Binding(shared.shapes, shared.memory, shared.attrs,
-                           device_memory=shared.device_memory)
-        share_arena = share_arena and binding.device_memory is None
-        arena = (self._shared_arena(binding.memory.arena_bytes, device) if share_arena
-                 else self._capture_arena(binding, device))
-        self._buffers(plan, binding, device, arena=arena)
         held = frozenset(self._mutated_inputs | set(by_reference))
-        unknown = sorted(set(by_reference) - set(tensors))
+        unknown = sorted(set(by_reference) - set(call.tensors))
         if unknown:
             raise CaptureError(f"by_reference names {unknown} are not inputs of engine "
                                f"{self.net.name!r}")
-        static = {name: t if name in held else t.clone() for name, t in tensors.items()}
+        plan, binding = call.plan, call.binding
+        shared = None
+        if share_arena and self.placement is None:
+            shared = self._capture.shared_arena(binding.memory, device)
+            arenas = shared
+        else:
+            arenas = ArenaSet.allocate(binding.memory, device)
+        buffers = buffer_views(plan, binding.memory, binding.shapes, arenas, self._label_of)
+        static = {name: t if name in held else t.clone() for name, t in call.tensors.items()}
 
         # Warm up on a side stream: compiles kernels and creates library handles outside capture.
         stream = torch.cuda.Stream(device)
@@ -513,54 +429,59 @@ class Engine:
             if prologue is not None:
                 prologue()
             self._run_steps(plan, range(len(plan.steps)), self._initial_slots(plan, static),
-                            binding)
+                            buffers, binding)
         torch.cuda.current_stream(device).wait_stream(stream)
 
-        if self._graph_pool is None:
-            self._graph_pool = torch.cuda.graph_pool_handle()
         slots = self._initial_slots(plan, static)
-        graphs = []
         prologue_graph = None
         if prologue is not None and not (self.segments and self.segments[0].capturable):
             # The first segment runs on the host: the prologue gets a graph of its own.
             prologue_graph = self._capture_prologue(prologue)
             prologue = None
+        graphs = self._capture_segments(plan, slots, buffers, binding, prologue)
+        all_held = not runtime_params and held >= set(call.tensors)
+        signature = CapturedSignature(static, binding, buffers, slots, graphs, plan, held,
+                                      all_held, prologue_graph, shared)
+        self._capture.signatures[call.key] = signature
+        return CaptureHandle(call.key, signature)
+
+    def _capture_segments(self, plan: LaunchPlan, slots: list[Any],
+                          buffers: list[list[torch.Tensor | None]], binding: Binding,
+                          prologue: Callable[[], None] | None) -> list[Any]:
+        """One graph per capturable segment (``None`` for host segments, which run now)."""
+        graphs = []
         for seg_index, (seg, steps) in enumerate(zip(self.segments, self._segment_ranges)):
             # NOTE: slots are not released while capturing: host segments replayed between the
             # graphs read values the graphs produced (they are arena views, so this costs nothing).
             if not seg.capturable:
-                self._run_steps(plan, steps, slots, binding, release=False)
+                self._run_steps(plan, steps, slots, buffers, binding, release=False)
                 graphs.append(None)
                 continue
             graph = torch.cuda.CUDAGraph()
             try:
                 with self._segment_device(seg), torch.cuda.graph(
-                        graph, pool=self._graph_pool, stream=self._capture_stream(seg)):
+                        graph, pool=self._capture.pool(), stream=self._capture.stream(seg.device)):
                     if seg_index == 0 and prologue is not None:
                         prologue()
-                    self._run_steps(plan, steps, slots, binding, release=False)
+                    self._run_steps(plan, steps, slots, buffers, binding, release=False)
             except Exception as err:
                 ops = ", ".join(sorted({n.op for n in seg.nodes}))
                 raise CaptureError(f"capturing segment {seg_index} of engine {self.net.name!r} "
                                    f"(ops: {ops}) failed: {err}") from err
             graphs.append(graph)
-        all_held = not runtime_params and held >= set(tensors)
-        capture = self._captures[key] = _Capture(static, binding, slots, graphs, plan, held,
-                                                 all_held, prologue_graph,
-                                                 arena if share_arena else None)
-        return CaptureHandle(key, capture)
+        return graphs
 
     def _capture_prologue(self, prologue: Callable[[], None]) -> Any:
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self._graph_pool):
+            with torch.cuda.graph(graph, pool=self._capture.pool()):
                 prologue()
         except Exception as err:
             raise CaptureError(f"capturing the prologue of engine {self.net.name!r} failed: "
                                f"{err}") from err
         return graph
 
-    def replay(self, handle: "CaptureHandle") -> dict[str, torch.Tensor]:
+    def replay(self, handle: CaptureHandle) -> dict[str, torch.Tensor]:
         """Replay a signature whose inputs are all held by reference, with no checks at all.
 
         For an owner that keeps the captured tensors and writes each step's values into them
@@ -574,69 +495,37 @@ class Engine:
             CaptureError: if the capture was released since, or holds some input by copy.
         """
         self._check_live(handle)
-        capture = handle.capture
-        if not capture.all_held:
+        signature = handle.capture
+        if not signature.all_held:
             raise CaptureError("replay() needs every input held by reference; use forward()")
-        self._replay(capture)
-        return self._collect(capture.plan, capture.slots, None)
+        self._replay(signature)
+        return self._collect(signature.plan, signature.slots, None)
 
-    def _check_live(self, handle: "CaptureHandle") -> None:
+    def _check_live(self, handle: CaptureHandle) -> None:
         if not self.is_captured(handle):
             raise CaptureError(f"engine {self.net.name!r}: this capture was released "
                                "(release_captures, set_weights or to); capture again")
 
-    def is_captured(self, handle: "CaptureHandle") -> bool:
+    def is_captured(self, handle: CaptureHandle) -> bool:
         """Whether ``handle``'s capture is still live (not released or replaced since)."""
-        return self._captures.get(handle.key) is handle.capture
-
-    def _shared_arena(self, nbytes: int, device: torch.device) -> torch.Tensor:
-        """The shared arena of ``device``, at least ``nbytes`` long; growing it releases the
-        captures whose buffers lived in the old one."""
-        arena = self._shared_arenas.get(device)
-        if arena is None or arena.numel() < nbytes:
-            for key in [k for k, c in self._captures.items()
-                        if arena is not None and c.shared_arena is arena]:
-                del self._captures[key]
-            self._shared_arenas.pop(device, None)  # freed before the larger one is allocated
-            arena = self._shared_arenas[device] = torch.empty(
-                max(nbytes, 1), dtype=torch.uint8, device=device)
-        return arena
-
-    def _capture_arena(self, binding: _Binding, device: torch.device
-                       ) -> torch.Tensor | dict[str, torch.Tensor]:
-        """A capture's own arena (one per device for a multi-device network)."""
-        if binding.device_memory is None:
-            return torch.empty(max(binding.memory.arena_bytes, 1), dtype=torch.uint8,
-                               device=device)
-        return {label: torch.empty(max(m.arena_bytes, 1), dtype=torch.uint8,
-                                   device=placement_device(label))
-                for label, m in binding.device_memory.items()}
+        return self._capture.is_live(handle)
 
     def _segment_device(self, seg: Segment) -> Any:
         """The segment's CUDA device made current (nothing to do on a single device)."""
         return nullcontext() if seg.device is None else \
             torch.cuda.device(placement_device(seg.device))
 
-    def _capture_stream(self, seg: Segment) -> Any:
-        """The stream a segment is captured on: torch's default capture stream, or (several
-        devices) one side stream per device, since torch's default lives on one device."""
-        if seg.device is None:
-            return None
-        streams = self.__dict__.setdefault("_capture_streams", {})
-        if seg.device not in streams:
-            streams[seg.device] = torch.cuda.Stream(placement_device(seg.device))
-        return streams[seg.device]
-
     @property
     def captured_signatures(self) -> int:
-        return len(self._captures)
+        return len(self._capture.signatures)
 
     @property
     def captured_graphs(self) -> list[torch.cuda.CUDAGraph]:
         """The CUDA graphs of every captured signature (for profiling their replay alone)."""
-        return [g for capture in self._captures.values() for g in capture.graphs if g is not None]
+        return [g for signature in self._capture.signatures.values()
+                for g in signature.graphs if g is not None]
 
-    def graphs_of(self, handle: "CaptureHandle") -> list[torch.cuda.CUDAGraph]:
+    def graphs_of(self, handle: CaptureHandle) -> list[torch.cuda.CUDAGraph]:
         """The CUDA graphs of one live capture (its segments' graphs, without the input copy)."""
         self._check_live(handle)
         return [g for g in handle.capture.graphs if g is not None]
@@ -645,32 +534,25 @@ class Engine:
         """Drop every captured CUDA graph; the next ``forward`` of a signature runs uncaptured
         until ``capture`` is called again. Needed before the memory or the process group the
         graphs use goes away (a KV cache reallocated, NCCL communicators destroyed)."""
-        self._captures.clear()
-        self._shared_arenas.clear()
-        # A pool whose graphs are all gone cannot take new captures (PyTorch asserts on its
-        # use count): later captures get a fresh one.
-        self._graph_pool = None
+        self._capture.release()
+
+    # ---- checks ----------------------------------------------------------------------------------
 
     def _check_weight_devices(self, device: torch.device) -> None:
-        if self.placement is not None:
-            for v, data in self.weights.items():
+        for v, data in self.weights.items():
+            if self.placement is not None:
                 label = self.placement.of.get(v, self.placement.main)
                 if data.device != placement_device(label):
                     raise EngineInputError(f"weight {v.name!r} is on {data.device} but the network "
                                            f"places it on {label}; apply the placement rules "
                                            f"before the engine is built")
-            self._checked_devices.add(device)
-            return
-        for v, data in self.weights.items():
-            if data.device != device:
-                raise EngineInputError(f"weight {v.name!r} is on {data.device} but the inputs are on"
-                                       f" {device}; load weights on the inputs' device or call "
-                                       f"engine.to({str(device)!r})")
+            elif data.device != device:
+                raise EngineInputError(f"weight {v.name!r} is on {data.device} but the inputs "
+                                       f"are on {device}; load weights on the inputs' device or "
+                                       f"call engine.to({str(device)!r})")
         self._checked_devices.add(device)
 
-    def _check_outputs(self, outputs: Mapping[str, torch.Tensor], binding: _Binding,
-                       device: torch.device | None,
-                       tensors: Mapping[str, torch.Tensor]) -> None:
+    def _check_outputs(self, outputs: Mapping[str, torch.Tensor], call: _Call) -> None:
         names = list(self.net.outputs)
         unknown = [n for n in outputs if n not in self.net.outputs]
         missing = [n for n in names if n not in outputs]
@@ -680,9 +562,9 @@ class Engine:
         for name, v in self.net.outputs.items():
             t = outputs[name]
             if v.kind is ValueKind.INTERMEDIATE:
-                shape, dtype = binding.shapes[v]
+                shape, dtype = call.binding.shapes[v]
             elif v.kind is ValueKind.INPUT:
-                shape, dtype = tuple(tensors[v.name].shape), tensors[v.name].dtype
+                shape, dtype = tuple(call.tensors[v.name].shape), call.tensors[v.name].dtype
             else:
                 shape, dtype = tuple(self.weights[v].shape), self.weights[v].dtype
             want = f"{str(dtype).replace('torch.', '')}{list(shape)}"
@@ -691,11 +573,11 @@ class Engine:
             if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                 raise EngineInputError(f"output {name!r} is {str(t.dtype).replace('torch.', '')}"
                                        f"{list(t.shape)}, expected {want}")
-            if device is not None and t.device != device:
-                raise EngineInputError(f"output {name!r} is on {t.device}, expected {device} "
-                                       "(the inputs' device)")
+            if call.device is not None and t.device != call.device:
+                raise EngineInputError(f"output {name!r} is on {t.device}, expected "
+                                       f"{call.device} (the inputs' device)")
 
-    # ---- weights -----------------------------------------------------------------------------------
+    # ---- weights ---------------------------------------------------------------------------------
 
     def set_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Rebind weights by name (same shape and dtype) without rebuilding anything."""
@@ -706,13 +588,14 @@ class Engine:
             v = by_name[name]
             old = self.weights[v]
             if tuple(data.shape) != tuple(old.shape) or data.dtype != old.dtype:
-                raise EngineInputError(f"set_weights: {name!r} must be {old.dtype}{list(old.shape)},"
-                                       f" got {data.dtype}{list(data.shape)}")
+                raise EngineInputError(f"set_weights: {name!r} must be "
+                                       f"{old.dtype}{list(old.shape)}, "
+                                       f"got {data.dtype}{list(data.shape)}")
             self.weights[v] = data
         self._checked_devices.clear()
         self.release_captures()  # the graphs read the old weights' memory
 
-    def to(self, device: torch.device | str) -> "Engine":
+    def to(self, device: torch.device | str) -> Engine:
         """Move the engine's weights to ``device``."""
         if self.placement is not None:
             raise GraphError(f"engine {self.net.name!r} is spread over {self.placement.devices}; "
@@ -723,19 +606,19 @@ class Engine:
         self.release_captures()
         return self
 
-    # ---- introspection -----------------------------------------------------------------------------
+    # ---- introspection ---------------------------------------------------------------------------
 
     @property
     def stats(self) -> EngineStats:
-        memory = self._latest.memory if self._latest else None
+        latest = self._latest
         return EngineStats(
             node_count=len(self.net.nodes),
             segment_count=len(self.segments),
             capturable_segments=sum(1 for s in self.segments if s.capturable),
             kernel_count=sum(1 for st in self.plan.steps
                              if not is_pure_view(st.node) and not is_side_hint(st.node)),
-            peak_intermediate_bytes=memory.arena_bytes if memory else None,
-            naive_intermediate_bytes=memory.naive_bytes if memory else None,
+            peak_intermediate_bytes=latest.arena_bytes if latest else None,
+            naive_intermediate_bytes=latest.naive_bytes if latest else None,
             bindings=len(self._bindings),
             passes=list(self.pass_records),
             hint_count=sum(1 for st in self.plan.steps if is_side_hint(st.node)),
@@ -752,14 +635,14 @@ class Engine:
         for spec in self.specs.values():
             lines.append(f"  input  {spec.describe()}")
         labels = self.net.local_labels()
+        step_of = {st.node: st for st in self.plan.steps}
         for seg_index, seg in enumerate(self.segments):
             kind = "device" if seg.capturable else f"host: {seg.reason}"
             where = f" on {seg.device}" if seg.device is not None else ""
             lines.append(f"  segment {seg_index} [{kind}]{where}")
             for node in seg.nodes:
-                step = next(st for st in self.plan.steps if st.node is node)
                 outs = ", ".join(labels.get(v, v.label()) for v in node.outputs)
-                lines.append(f"    {outs} <- {step.kernel_name}")
+                lines.append(f"    {outs} <- {step_of[node].kernel_name}")
         for name, v in self.net.outputs.items():
             lines.append(f"  output {name} = {labels.get(v, v.label())}")
         if self.pass_records:
@@ -768,7 +651,7 @@ class Engine:
 
 
 def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence[str] = (),
-                 backend: str = "auto") -> Engine:
+                 backend: str = "auto", tuning: Tuning | None = None) -> Engine:
     """Build an :class:`Engine` from ``net``.
 
     Args:
@@ -776,6 +659,7 @@ def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence
         passes: run the pass pipeline (``False`` builds the network exactly as recorded).
         disabled_passes: pass names to skip (``llm.engine.disabled_passes``).
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see :class:`Engine`).
+        tuning: the kernels' launch settings (``llm.engine.tuning``; defaults when None).
     Returns:
         the engine. If ``net`` is the default network, the default is fresh afterwards.
     """
@@ -788,6 +672,6 @@ def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence
         raise GraphError(f"network {net.name!r} has no outputs; call mark_output(tensor, name)")
     work, _ = net.clone()
     records = PassManager(default_pipeline(), disabled_passes).run(work) if passes else []
-    engine = Engine(work, records, backend=backend, declared_inputs=net.inputs)
+    engine = Engine(work, records, backend=backend, declared_inputs=net.inputs, tuning=tuning)
     release_if_default(net)
     return engine

@@ -2,8 +2,9 @@
 as precomputed slot indices, and the slots to release after it (by liveness)."""
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -107,7 +108,7 @@ def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] | None = No
             if v is not None and v.kind is ValueKind.INTERMEDIATE:
                 last_use[v] = i
     keep = set(net.outputs.values())
-    for i, node in enumerate(net.nodes):
+    for node in net.nodes:
         ins = []
         for v in node.inputs:
             if v is None:

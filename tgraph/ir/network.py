@@ -4,8 +4,9 @@ keep the use lists consistent."""
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
@@ -98,7 +99,8 @@ class Network:
         if name in self.outputs:
             raise GraphError(f"output name {name!r} is already marked in {self.name!r}")
         if value.producer is not None and value.producer.id not in self._node_ids:
-            raise GraphError(f"mark_output({name!r}): {value.describe()} belongs to another network")
+            raise GraphError(f"mark_output({name!r}): {value.describe()} belongs to another "
+                             "network")
         self.outputs[name] = value
 
     # ---- queries ------------------------------------------------------------------------------
@@ -207,7 +209,7 @@ class Network:
                                  f"{other.describe()} ({other.kind.value}) and {v.describe()} "
                                  f"({v.kind.value})")
 
-    def clone(self, name: str | None = None) -> tuple["Network", dict[Value, Value]]:
+    def clone(self, name: str | None = None) -> tuple[Network, dict[Value, Value]]:
         """Copy nodes and intermediate values; leaves (inputs, weights, constants) are shared.
 
         Returns:
@@ -315,7 +317,7 @@ class Network:
 
     # ---- building ------------------------------------------------------------------------------
 
-    def build_engine(self, **options: Any) -> "Engine":
+    def build_engine(self, **options: Any) -> Engine:
         """Run the pass pipeline on a copy of this network and build an :class:`Engine`.
 
         See :func:`tgraph.engine.build_engine` for the options. The network itself is not changed;

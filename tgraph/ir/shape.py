@@ -8,10 +8,10 @@ some facts are symbolic) and at bind time (where every dim is an int), so one ru
 from __future__ import annotations
 
 import math
-from typing import Iterable, Mapping, Union
+from collections.abc import Iterable, Mapping
 
-Dim = Union[int, str, None]
-Shape = Union[tuple, None]
+Dim = int | str | None
+Shape = tuple | None
 
 
 class ShapeRuleError(ValueError):

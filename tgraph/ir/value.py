@@ -39,7 +39,7 @@ class Value:
     dtype: torch.dtype | None
     shape: Shape
     kind: ValueKind
-    producer: "Node | None"
+    producer: Node | None
     index: int
     data: Any
     host: bool
@@ -51,18 +51,18 @@ class Value:
         name: str | None = None,
         dtype: torch.dtype | None = None,
         shape: Shape = None,
-        producer: "Node | None" = None,
+        producer: Node | None = None,
         index: int = 0,
         data: Any = None,
         host: bool = False,
-    ) -> "Value":
+    ) -> Value:
         """Create a value without running a subclass's user-facing ``__init__``."""
         v = object.__new__(cls)
         v._setup(kind, name, dtype, shape, producer, index, data, host)
         return v
 
     def _setup(self, kind: ValueKind, name: str | None, dtype: torch.dtype | None, shape: Shape,
-               producer: "Node | None", index: int, data: Any, host: bool) -> None:
+               producer: Node | None, index: int, data: Any, host: bool) -> None:
         self.id = next(_ids)
         self.name = name
         self.dtype = dtype

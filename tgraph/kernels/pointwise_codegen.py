@@ -27,13 +27,14 @@ import re
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import triton
 
+from tgraph import envs
 from tgraph.ir.ops import Meta
 from tgraph.ir.ops.fused_pointwise import (
     FUSIBLE_DTYPES,
@@ -102,9 +103,7 @@ def _pow(a, b):
 def cache_dir() -> Path:
     """Where generated kernel sources are written: ``$TGRAPH_CACHE_DIR/pointwise``, or
     ``~/.cache/tgraph/pointwise`` when the variable is unset."""
-    root = os.environ.get("TGRAPH_CACHE_DIR")
-    base = Path(root) if root else Path.home() / ".cache" / "tgraph"
-    return base / "pointwise"
+    return envs.TGRAPH_CACHE_DIR / "pointwise"
 
 
 def _row_layout(n: int) -> tuple[int, int, int]:
@@ -520,7 +519,7 @@ def _check_device(name: str, tensors: Sequence[torch.Tensor]) -> None:
         raise ValueError(f"{name}: all tensors must be on one device, got "
                          f"{sorted(str(d) for d in devices)}")
     device = devices.pop()
-    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = device.type == "cpu" and envs.TRITON_INTERPRET
     if device.type != "cuda" and not interpreted:
         raise ValueError(f"{name}: Triton kernels need CUDA tensors, got {device} (CPU works only "
                          "under TRITON_INTERPRET=1)")

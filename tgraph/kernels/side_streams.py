@@ -9,8 +9,8 @@ the fork and the join become edges of the graph).
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import WeightLoader
 from tgraph.layers.attention_backends import DEFAULT_BACKEND, attend, check_backend
 from tgraph.layers.linear import QKVParallelLinear, RowParallelLinear
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import WeightLoader
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module
 from tgraph.nn.tensor import Tensor
@@ -101,7 +101,8 @@ class Attention(Module):
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
         q, k = F.rope(q, k, meta.cos, meta.sin)
-        k_cache, v_cache = F.reshape_and_cache(k, v, *meta.kv_caches[self.layer_idx], meta.slots_mapping)
+        k_cache, v_cache = F.reshape_and_cache(k, v, *meta.kv_caches[self.layer_idx],
+                                               meta.slots_mapping)
         out = attend(self.backend, q, k_cache, v_cache, meta, scale=self.scale,
                      sliding_window=self.sliding_window, new_kv=(k, v))
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))

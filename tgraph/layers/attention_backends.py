@@ -15,7 +15,8 @@ Adding a backend is one function here and one entry in :data:`BACKENDS`.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
@@ -40,7 +41,8 @@ def _paged(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _Meta, *, scale: f
 
 
 def _sdpa_prefill(q: Tensor, k_cache: Tensor, v_cache: Tensor, meta: _Meta, *, scale: float,
-                  sliding_window: int | None, new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
+                  sliding_window: int | None,
+                  new_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
     if meta.query_start_loc is None:  # decode: one query per sequence, the paged kernel wins
         return _paged(q, k_cache, v_cache, meta, scale=scale, sliding_window=sliding_window)
     return F.sdpa_attention(q, k_cache, v_cache, meta.block_table, meta.seq_len,

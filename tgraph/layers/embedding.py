@@ -1,8 +1,8 @@
 """Vocabulary-parallel embedding: each rank holds a contiguous slice of the vocabulary."""
 from __future__ import annotations
 
+from tgraph.io.weights import WeightLoader
 from tgraph.layers.linear import divide
-from tgraph.models.base.weight_loader import WeightLoader
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
 from tgraph.nn.tensor import Tensor

@@ -7,12 +7,12 @@ one GEMM; where a checkpoint is already packed the names list has one entry.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from tgraph.errors import ConfigError
-from tgraph.models.base.weight_loader import WeightLoader
+from tgraph.io.weights import WeightLoader
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
 from tgraph.nn.tensor import Tensor
@@ -84,7 +84,7 @@ class ColumnParallelLinear(LinearBase):
 
 
     @classmethod
-    def tied(cls, weight: Parameter, rank: int = 0, world_size: int = 1) -> "ColumnParallelLinear":
+    def tied(cls, weight: Parameter, rank: int = 0, world_size: int = 1) -> ColumnParallelLinear:
         """A linear sharing another module's (already sharded) weight, e.g. an LM head tied to
         the vocabulary-parallel embedding: no copy is read or kept."""
         layer = cls.__new__(cls)

@@ -20,14 +20,14 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
 from tgraph.errors import ConfigError, WeightLoadError
-from tgraph.kernels import fast_lora  # noqa: F401  (registers lora_shrink_concat's Triton wrapper)
 from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
 

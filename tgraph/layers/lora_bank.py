@@ -14,7 +14,8 @@ engines and captured graphs, which hold views of ``storage``, see new adapters w
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -70,7 +71,8 @@ class LoraWeightBank:
 
     def _span(self, owner: str) -> tuple[int, int]:
         if owner not in self.regions:
-            raise KeyError(f"LoraWeightBank: no region for {owner!r}; regions: {sorted(self.regions)}")
+            raise KeyError(f"LoraWeightBank: no region for {owner!r}; regions: "
+                           f"{sorted(self.regions)}")
         return self.regions[owner]
 
     def lead(self, owner: str) -> int:

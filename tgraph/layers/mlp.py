@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from tgraph.errors import ConfigError
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import WeightLoader
 from tgraph.layers.linear import MergedColumnParallelLinear, RowParallelLinear
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import WeightLoader
 from tgraph.nn import functional as F
 from tgraph.nn.functional import ActType
 from tgraph.nn.module import Module

@@ -1,7 +1,7 @@
 """Normalisation layers."""
 from __future__ import annotations
 
-from tgraph.models.base.weight_loader import WeightLoader
+from tgraph.io.weights import WeightLoader
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
 from tgraph.nn.tensor import Tensor

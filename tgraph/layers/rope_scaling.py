@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from tgraph.errors import ConfigError
-
-if TYPE_CHECKING:  # layers sit below models: import the config type for annotations only
-    from tgraph.models.base.config import ModelConfig
+from tgraph.io.model_config import ModelConfig
 
 __all__ = ["rope_inv_freq", "cos_sin_table", "SUPPORTED_ROPE_TYPES"]
 
@@ -134,7 +132,7 @@ def _longrope(config: ModelConfig, scaling: Scaling, seq_len: int | None, dim: i
     return 1.0 / (ext * config.rope_theta**exponents), float(attention)
 
 
-_RopeFn = Callable[["ModelConfig", Scaling, "int | None", int], RopeResult]
+_RopeFn = Callable[[ModelConfig, Scaling, "int | None", int], RopeResult]
 _ROPE_FNS: dict[str, _RopeFn] = {
     "default": _default,
     "linear": _linear,

@@ -2,8 +2,8 @@
 gathered by position inside the graph so a CUDA graph holds the lookup too."""
 from __future__ import annotations
 
+from tgraph.io.model_config import ModelConfig
 from tgraph.layers.rope_scaling import cos_sin_table, rope_inv_freq
-from tgraph.models.base.config import ModelConfig
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
 from tgraph.nn.tensor import Tensor

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tgraph.errors import ConfigError, WeightLoadError
-from tgraph.models.base.config import ModelConfig
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import SafetensorFileLoader
 from tgraph.models.base.llm_config import LlmConfig
-from tgraph.models.base.weight_loader import SafetensorFileLoader
 from tgraph.models.registry import load_module_map, resolve_model_class
 
 if TYPE_CHECKING:
@@ -72,7 +73,7 @@ class _PlacingLoader(SafetensorFileLoader):
             self.device = default
 
 
-def _parse_rules(rules: str | Path | Sequence[Any]) -> list["Rule"]:
+def _parse_rules(rules: str | Path | Sequence[Any]) -> list[Rule]:
     from tgraph.rules import Rule, load_rules
 
     if isinstance(rules, (str, Path)) or not all(isinstance(r, Rule) for r in rules):
@@ -134,7 +135,7 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
     return model
 
 
-def _rule_devices(rules: Sequence["Rule"]) -> Callable[[str], torch.device | None]:
+def _rule_devices(rules: Sequence[Rule]) -> Callable[[str], torch.device | None]:
     from tgraph.ir.ops.transfer import placement_device
     from tgraph.rules import predict_placement
 

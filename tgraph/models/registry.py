@@ -1,58 +1,121 @@
 """Which class serves which checkpoint: ``model_type`` / ``architectures`` -> model class.
 
-Models register themselves with :func:`register_model`. A user adds their own by naming a Python
-file (a custom module map) that calls :func:`register_model`; nothing is imported implicitly.
+The built-in families are a table (:data:`BUILTIN_FAMILIES`) of the ``model_type`` values and
+``architectures`` each serves and the module that defines it; a family's module is imported only
+when a config asks for one of its names, so resolving a Llama checkpoint imports the Llama family
+alone. A model class registers itself with :func:`register_model` when its module is imported. A
+user adds their own by naming a Python file (a custom module map, :func:`load_module_map`) that
+calls :func:`register_model`; nothing else is imported implicitly.
 """
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
 
 from tgraph.errors import ConfigError
-from tgraph.models.base.config import ModelConfig
+from tgraph.io.model_config import ModelConfig
+
+__all__ = ["BUILTIN_FAMILIES", "BuiltinFamily", "ModelEntry", "load_module_map",
+           "register_model", "resolve_model_class", "supported_model_types"]
+
+
+@dataclass(frozen=True)
+class BuiltinFamily:
+    """A family shipped with tgraph: the names it serves and the module that registers it."""
+
+    module: str
+    model_types: tuple[str, ...]
+    architectures: tuple[str, ...]
+
+    def serves(self, config: ModelConfig) -> bool:
+        """Whether ``config`` names this family (by an architecture or its model type)."""
+        return bool(set(config.architectures) & set(self.architectures)) or \
+            config.model_type in self.model_types
+
+
+BUILTIN_FAMILIES: tuple[BuiltinFamily, ...] = (
+    BuiltinFamily("tgraph.models.llama", ("llama",), ("LlamaForCausalLM",)),
+    BuiltinFamily("tgraph.models.mistral", ("mistral",), ("MistralForCausalLM",)),
+    BuiltinFamily("tgraph.models.qwen2", ("qwen2",), ("Qwen2ForCausalLM",)),
+    BuiltinFamily("tgraph.models.qwen3", ("qwen3",), ("Qwen3ForCausalLM",)),
+)
 
 
 @dataclass(frozen=True)
 class ModelEntry:
+    """One registration: a model class and the HF names it serves."""
+
     cls: type
     model_types: tuple[str, ...]
     architectures: tuple[str, ...]
 
 
+# Registrations, highest priority first: users' (latest first), then the built-in families'.
 _ENTRIES: list[ModelEntry] = []
 
 
 def register_model(*, model_types: Sequence[str] = (), architectures: Sequence[str] = ()
                    ) -> Callable[[type], type]:
-    """Class decorator registering a model class for HF ``model_type``s / ``architectures``.
+    """Class decorator registering a model class for HF ``model_type`` values / ``architectures``.
 
-    Later registrations win, so a user's module map can override a built-in family.
+    Later registrations win, and a user's registration wins over a built-in family's whenever
+    the family is imported, so a user's module map can override a built-in family.
+
+    Args:
+        model_types: HF ``model_type`` values the class serves.
+        architectures: HF ``architectures`` class names the class serves.
+
+    Returns:
+        The decorator (it returns the class unchanged).
+
+    Raises:
+        TypeError: neither ``model_types`` nor ``architectures`` is given.
     """
     if not model_types and not architectures:
         raise TypeError("register_model needs model_types or architectures")
 
     def decorate(cls: type) -> type:
-        _ENTRIES.insert(0, ModelEntry(cls, tuple(model_types), tuple(architectures)))
+        entry = ModelEntry(cls, tuple(model_types), tuple(architectures))
+        if _is_builtin(cls):
+            _ENTRIES.append(entry)
+        else:
+            _ENTRIES.insert(0, entry)
         return cls
 
     return decorate
 
 
 def supported_model_types() -> list[str]:
-    _ensure_builtins()
-    return sorted({t for e in _ENTRIES for t in e.model_types})
+    """Return every model type that can be resolved, without importing any family.
+
+    Returns:
+        The sorted union of the built-in table's model types and those registered so far.
+    """
+    builtin = {t for family in BUILTIN_FAMILIES for t in family.model_types}
+    return sorted(builtin | {t for e in _ENTRIES for t in e.model_types})
 
 
 def resolve_model_class(config: ModelConfig) -> type:
-    """The class for a config: by ``architectures`` first, then ``model_type``.
+    """Return the class for a config: by ``architectures`` first, then ``model_type``.
+
+    Imports the built-in families that ``config`` names (usually one), and no other.
+
+    Args:
+        config: the parsed checkpoint config.
+
+    Returns:
+        The registered model class.
 
     Raises:
-        ConfigError: listing the supported model types.
+        ConfigError: no class serves the config; the message lists the supported model types.
     """
-    _ensure_builtins()
+    for family in BUILTIN_FAMILIES:
+        if family.serves(config):
+            importlib.import_module(family.module)
     for entry in _ENTRIES:
         if set(config.architectures) & set(entry.architectures):
             return entry.cls
@@ -66,7 +129,14 @@ def resolve_model_class(config: ModelConfig) -> type:
 
 
 def load_module_map(path: str | Path) -> None:
-    """Import a user's Python file that registers models (and config builders)."""
+    """Import a user's Python file that registers models (and config builders).
+
+    Args:
+        path: the Python file.
+
+    Raises:
+        ConfigError: the file does not exist or cannot be imported as a module.
+    """
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"module map {str(path)!r} does not exist")
@@ -79,10 +149,6 @@ def load_module_map(path: str | Path) -> None:
     spec.loader.exec_module(module)
 
 
-def _ensure_builtins() -> None:
-    # NOTE: the built-in families register on import; importing them here (not at module load)
-    # keeps the registry importable by the families themselves.
-    import tgraph.models.llama  # noqa: F401
-    import tgraph.models.mistral  # noqa: F401
-    import tgraph.models.qwen2  # noqa: F401
-    import tgraph.models.qwen3  # noqa: F401
+def _is_builtin(cls: type) -> bool:
+    module = cls.__module__
+    return any(module == f.module or module.startswith(f.module + ".") for f in BUILTIN_FAMILIES)

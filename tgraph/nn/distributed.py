@@ -21,15 +21,16 @@ import enum
 import gc
 import hashlib
 import json
-import os
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 import tgraph.ir.ops.collective  # noqa: F401  (registers all_reduce / all_gather)
+from tgraph import envs
 from tgraph.errors import ConfigError, RecordError, user_frame
 from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
@@ -76,8 +77,8 @@ class DistInfo:
     device: torch.device = torch.device("cpu")
 
 
-def _env_int(environ: Mapping[str, str], name: str, default: int | None = None) -> int:
-    value = environ.get(name)
+def _env_int(environ: Mapping[str, str] | None, name: str, default: int | None = None) -> int:
+    value = envs.get(name, environ)
     if value is None:
         if default is not None:
             return default
@@ -100,13 +101,12 @@ def env_info(environ: Mapping[str, str] | None = None) -> DistInfo:
     Raises:
         ConfigError: a variable is missing, not an int, or out of range.
     """
-    env = os.environ if environ is None else environ
-    ws = _env_int(env, "WORLD_SIZE")
-    r = _env_int(env, "RANK")
-    local_rank = _env_int(env, "LOCAL_RANK", default=r)
-    local_ws = _env_int(env, "LOCAL_WORLD_SIZE", default=ws)
-    port = _env_int(env, "MASTER_PORT")
-    addr = env.get("MASTER_ADDR")
+    ws = _env_int(environ, "WORLD_SIZE")
+    r = _env_int(environ, "RANK")
+    local_rank = _env_int(environ, "LOCAL_RANK", default=r)
+    local_ws = _env_int(environ, "LOCAL_WORLD_SIZE", default=ws)
+    port = _env_int(environ, "MASTER_PORT")
+    addr = envs.get("MASTER_ADDR", environ)
     if not addr:
         raise ConfigError("environment variable MASTER_ADDR is not set; launch with torchrun")
     if ws < 1 or not 0 <= r < ws:
@@ -130,10 +130,9 @@ def launched_world_size(environ: Mapping[str, str] | None = None) -> int:
     """
     if is_initialized():
         return dist.get_world_size()
-    env = os.environ if environ is None else environ
-    if "WORLD_SIZE" not in env:
+    if envs.get("WORLD_SIZE", environ) is None:
         return 1
-    ws = _env_int(env, "WORLD_SIZE")
+    ws = _env_int(environ, "WORLD_SIZE")
     if ws < 1:
         raise ConfigError(f"environment variable WORLD_SIZE={ws}: expected a positive integer")
     return ws
@@ -149,7 +148,8 @@ def check_device_count(local_world_size: int, device_count: int) -> None:
         ConfigError: naming both numbers and ``CUDA_VISIBLE_DEVICES``.
     """
     if local_world_size > device_count:
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>")
+        visible = envs.get("CUDA_VISIBLE_DEVICES")
+        visible = "<unset>" if visible is None else visible
         raise ConfigError(
             f"tensor parallelism with {local_world_size} ranks on this node needs "
             f"{local_world_size} GPUs (one per rank), but only {device_count} are visible "

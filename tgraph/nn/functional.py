@@ -10,9 +10,10 @@ import builtins
 import enum
 import threading
 import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -102,7 +103,7 @@ class _NetPlacement:
     copies: dict[tuple[int, str], Value]
 
 
-_NETS: "weakref.WeakKeyDictionary[Network, _NetPlacement]" = weakref.WeakKeyDictionary()
+_NETS: weakref.WeakKeyDictionary[Network, _NetPlacement] = weakref.WeakKeyDictionary()
 # Leaves declared with place() before any op reads them: id -> (weak reference, label).
 _DECLARED: dict[int, tuple[weakref.ref, str]] = {}
 
@@ -271,7 +272,7 @@ def div(a: Operand, b: Operand) -> Tensor:
     return _one("div", [a, b])
 
 
-def pow(a: Operand, b: Operand) -> Tensor:  # noqa: A001 - mirrors torch.pow
+def pow(a: Operand, b: Operand) -> Tensor:
     return _one("pow", [a, b])
 
 
@@ -287,7 +288,7 @@ def neg(x: Tensor) -> Tensor:
     return _one("neg", [x])
 
 
-def abs(x: Tensor) -> Tensor:  # noqa: A001 - mirrors torch.abs
+def abs(x: Tensor) -> Tensor:
     return _one("abs", [x])
 
 
@@ -392,7 +393,7 @@ def activation(x: Tensor, act: ActType) -> Tensor:
 
 
 # ---- reductions ---------------------------------------------------------------------------------
-def sum(x: Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor:  # noqa: A001
+def sum(x: Tensor, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor:
     return _one("sum", [x], dim=dim, keepdim=keepdim)
 
 
@@ -473,7 +474,7 @@ def contiguous(x: Tensor) -> Tensor:
     return _one("contiguous", [x])
 
 
-def slice(x: Tensor, dim: int, start: int = 0, end: int | None = None,  # noqa: A001
+def slice(x: Tensor, dim: int, start: int = 0, end: int | None = None,
           step: int = 1) -> Tensor:
     """``x[..., start:end:step, ...]`` along ``dim`` (a view)."""
     return _one("slice", [x], dim=dim, start=start, end=end, step=step)
@@ -569,7 +570,8 @@ def rope(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, interleaved: bool = Fal
 def reshape_and_cache(k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, slots_mapping: Tensor
                       ) -> tuple[Tensor, Tensor]:
     """Write each token's k/v ``[tokens, kv_heads, head_dim]`` into the paged caches
-    ``[num_blocks, block_size, kv_heads, head_dim]`` at flat slot ``slots_mapping[t]`` (negative: skip).
+    ``[num_blocks, block_size, kv_heads, head_dim]`` at flat slot ``slots_mapping[t]``
+    (negative: skip).
 
     Returns:
         the updated caches; pass them to :func:`paged_attention` so that it reads after the write.

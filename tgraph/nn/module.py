@@ -7,7 +7,8 @@ module is first called (or by :meth:`Module.assign_names`).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -101,24 +102,24 @@ class Module:
         else:
             setattr(self, name, param)
 
-    def add_module(self, name: str, module: "Module") -> None:
+    def add_module(self, name: str, module: Module) -> None:
         setattr(self, name, module)
 
     # ---- traversal -----------------------------------------------------------------------------
-    def named_children(self) -> Iterator[tuple[str, "Module"]]:
+    def named_children(self) -> Iterator[tuple[str, Module]]:
         yield from self._modules.items()
 
-    def children(self) -> Iterator["Module"]:
+    def children(self) -> Iterator[Module]:
         for _, m in self.named_children():
             yield m
 
-    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, "Module"]]:
+    def named_modules(self, prefix: str = "") -> Iterator[tuple[str, Module]]:
         """This module and all sub-modules with dotted names (the root has ``prefix``)."""
         yield prefix, self
         for name, child in self._modules.items():
             yield from child.named_modules(f"{prefix}.{name}" if prefix else name)
 
-    def modules(self) -> Iterator["Module"]:
+    def modules(self) -> Iterator[Module]:
         for _, m in self.named_modules():
             yield m
 
@@ -136,7 +137,7 @@ class Module:
         for _, p in self.named_parameters():
             yield p
 
-    def get_submodule(self, target: str) -> "Module":
+    def get_submodule(self, target: str) -> Module:
         module: Module = self
         for part in target.split(".") if target else []:
             if part not in module._modules:
@@ -145,7 +146,7 @@ class Module:
             module = module._modules[part]
         return module
 
-    def set_submodule(self, target: str, module: "Module") -> None:
+    def set_submodule(self, target: str, module: Module) -> None:
         parent_name, _, leaf = target.rpartition(".")
         parent = self.get_submodule(parent_name)
         if leaf not in parent._modules:
@@ -173,7 +174,7 @@ class Module:
                 params[name].load(tensor)
 
     def to(self, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-           ) -> "Module":
+           ) -> Module:
         """Move (and optionally cast floating) parameter data in place."""
         for p in self.parameters():
             if p.data is None:
@@ -183,7 +184,7 @@ class Module:
             p.dtype = target
         return self
 
-    def place(self, device: str | torch.device) -> "Module":
+    def place(self, device: str | torch.device) -> Module:
         """Run this module (and its children without a placement of their own) on ``device``.
 
         Only marks the module; :func:`apply_placement` moves the weights (``tgraph.rules`` calls
@@ -275,7 +276,7 @@ class ModuleList(Module):
         for m in modules:
             self.append(m)
 
-    def append(self, module: Module) -> "ModuleList":
+    def append(self, module: Module) -> ModuleList:
         self.add_module(str(len(self._modules)), module)
         return self
 

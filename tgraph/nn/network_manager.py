@@ -7,8 +7,8 @@ one, so a script can record, build, and record again.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 from tgraph.ir.network import Network
 from tgraph.nn.tensor import Tensor

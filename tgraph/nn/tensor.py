@@ -1,7 +1,8 @@
 """The symbolic :class:`Tensor` model code computes with."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,55 +40,55 @@ class Tensor(Value):
     __hash__ = Value.__hash__
 
     # ---- arithmetic -----------------------------------------------------------------------------
-    def __add__(self, other: Any) -> "Tensor":
+    def __add__(self, other: Any) -> Tensor:
         return F.add(self, other)
 
-    def __radd__(self, other: Any) -> "Tensor":
+    def __radd__(self, other: Any) -> Tensor:
         return F.add(other, self)
 
-    def __sub__(self, other: Any) -> "Tensor":
+    def __sub__(self, other: Any) -> Tensor:
         return F.sub(self, other)
 
-    def __rsub__(self, other: Any) -> "Tensor":
+    def __rsub__(self, other: Any) -> Tensor:
         return F.sub(other, self)
 
-    def __mul__(self, other: Any) -> "Tensor":
+    def __mul__(self, other: Any) -> Tensor:
         return F.mul(self, other)
 
-    def __rmul__(self, other: Any) -> "Tensor":
+    def __rmul__(self, other: Any) -> Tensor:
         return F.mul(other, self)
 
-    def __truediv__(self, other: Any) -> "Tensor":
+    def __truediv__(self, other: Any) -> Tensor:
         return F.div(self, other)
 
-    def __rtruediv__(self, other: Any) -> "Tensor":
+    def __rtruediv__(self, other: Any) -> Tensor:
         return F.div(other, self)
 
-    def __pow__(self, other: Any) -> "Tensor":
+    def __pow__(self, other: Any) -> Tensor:
         return F.pow(self, other)
 
-    def __neg__(self) -> "Tensor":
+    def __neg__(self) -> Tensor:
         return F.neg(self)
 
-    def __matmul__(self, other: "Tensor") -> "Tensor":
+    def __matmul__(self, other: Tensor) -> Tensor:
         return F.matmul(self, other)
 
-    def __eq__(self, other: Any) -> "Tensor":  # type: ignore[override]
+    def __eq__(self, other: Any) -> Tensor:  # type: ignore[override]
         return F.eq(self, other)
 
-    def __ne__(self, other: Any) -> "Tensor":  # type: ignore[override]
+    def __ne__(self, other: Any) -> Tensor:  # type: ignore[override]
         return F.ne(self, other)
 
-    def __lt__(self, other: Any) -> "Tensor":
+    def __lt__(self, other: Any) -> Tensor:
         return F.lt(self, other)
 
-    def __le__(self, other: Any) -> "Tensor":
+    def __le__(self, other: Any) -> Tensor:
         return F.le(self, other)
 
-    def __gt__(self, other: Any) -> "Tensor":
+    def __gt__(self, other: Any) -> Tensor:
         return F.gt(self, other)
 
-    def __ge__(self, other: Any) -> "Tensor":
+    def __ge__(self, other: Any) -> Tensor:
         return F.ge(self, other)
 
     def __bool__(self) -> bool:
@@ -98,7 +99,7 @@ class Tensor(Value):
         raise TypeError(f"symbolic tensor {self.label()} is not iterable; use F.split or indexing")
 
     # ---- shape ----------------------------------------------------------------------------------
-    def __getitem__(self, key: Any) -> "Tensor":
+    def __getitem__(self, key: Any) -> Tensor:
         return F.getitem(self, key)
 
     @property
@@ -115,53 +116,53 @@ class Tensor(Value):
             return None
         return self.shape[dim]
 
-    def reshape(self, *shape: Any) -> "Tensor":
+    def reshape(self, *shape: Any) -> Tensor:
         return F.reshape(self, _as_shape(shape))
 
-    def view(self, *shape: Any) -> "Tensor":
+    def view(self, *shape: Any) -> Tensor:
         return F.reshape(self, _as_shape(shape))
 
-    def permute(self, *dims: Any) -> "Tensor":
+    def permute(self, *dims: Any) -> Tensor:
         return F.permute(self, _as_shape(dims))
 
-    def transpose(self, dim0: int, dim1: int) -> "Tensor":
+    def transpose(self, dim0: int, dim1: int) -> Tensor:
         return F.transpose(self, dim0, dim1)
 
-    def unsqueeze(self, dim: int) -> "Tensor":
+    def unsqueeze(self, dim: int) -> Tensor:
         return F.unsqueeze(self, dim)
 
-    def squeeze(self, dim: int) -> "Tensor":
+    def squeeze(self, dim: int) -> Tensor:
         return F.squeeze(self, dim)
 
-    def contiguous(self) -> "Tensor":
+    def contiguous(self) -> Tensor:
         return self
 
-    def to(self, dtype: torch.dtype) -> "Tensor":
+    def to(self, dtype: torch.dtype) -> Tensor:
         return F.cast(self, dtype)
 
-    def float(self) -> "Tensor":
+    def float(self) -> Tensor:
         return F.cast(self, torch.float32)
 
     # ---- math shortcuts --------------------------------------------------------------------------
-    def sum(self, dim: int | tuple[int, ...], keepdim: bool = False) -> "Tensor":
+    def sum(self, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor:
         return F.sum(self, dim, keepdim)
 
-    def mean(self, dim: int | tuple[int, ...], keepdim: bool = False) -> "Tensor":
+    def mean(self, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor:
         return F.mean(self, dim, keepdim)
 
-    def amax(self, dim: int | tuple[int, ...], keepdim: bool = False) -> "Tensor":
+    def amax(self, dim: int | tuple[int, ...], keepdim: bool = False) -> Tensor:
         return F.amax(self, dim, keepdim)
 
-    def softmax(self, dim: int = -1) -> "Tensor":
+    def softmax(self, dim: int = -1) -> Tensor:
         return F.softmax(self, dim)
 
-    def exp(self) -> "Tensor":
+    def exp(self) -> Tensor:
         return F.exp(self)
 
-    def sigmoid(self) -> "Tensor":
+    def sigmoid(self) -> Tensor:
         return F.sigmoid(self)
 
-    def rsqrt(self) -> "Tensor":
+    def rsqrt(self) -> Tensor:
         return F.rsqrt(self)
 
 

@@ -48,8 +48,8 @@ def _rms_patterns() -> list[Pattern]:
     for square_by_pow in (True, False):
         patterns.append(Pattern(
             "rms_norm_cast",
-            lambda x, w, eps, p=square_by_pow: w * F.cast(_rms_body(F.cast(x, torch.float32), eps, p),
-                                                         torch.float32),
+            lambda x, w, eps, p=square_by_pow: w * F.cast(
+                _rms_body(F.cast(x, torch.float32), eps, p), torch.float32),
             lambda x, w, eps: F.rms_norm(x, w, eps),
             scalars=("eps",), ignore_attrs=("dtype",), extra_check=_rms_check))
         patterns.append(Pattern(

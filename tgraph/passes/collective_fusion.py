@@ -14,7 +14,8 @@ no marked output and the collective is its only reader, so nothing can see the o
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from tgraph.ir.network import Network
 from tgraph.ir.ops import get_op

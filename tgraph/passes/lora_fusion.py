@@ -5,10 +5,9 @@
   reads it (``rms_norm_lora_concat``, ``add_rms_norm_lora_concat``; see ``tgraph.ir.ops.lora``).
   At decode the norm and the shrink are one launch.
 
-NOTE: the SwiGLU before down_proj is left alone. Folded in the same way it measured slower than
-the two launches it replaced (5.3 against 1.6 + 3.4 us per layer, Llama-3.2-1B batch 16, H100,
-2026-11-25): every program of the shrink recomputed the activation over the whole 8192-wide row,
-where the norms' rows are 2048 wide; the norm sites gained ~0.9 us each.
+NOTE: the SwiGLU before down_proj is left alone: folded in the same way, every program of the
+shrink recomputes the activation over the whole 8192-wide row, and it measured slower than the
+two launches it replaces (docs/performance.md).
 """
 from __future__ import annotations
 

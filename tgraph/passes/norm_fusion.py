@@ -101,7 +101,8 @@ class NormLinear(Pass):
         else:
             return 0
         with recording(net), net.inserting_before(node):
-            new_sum = F.record("linear_epilogue", [lin.inputs[0], lin.inputs[1], lin.inputs[2], residual],
+            new_sum = F.record("linear_epilogue",
+                               [lin.inputs[0], lin.inputs[1], lin.inputs[2], residual],
                                transpose_b=lin.attrs["transpose_b"], act=None)
             new_normed = F.rms_norm(new_sum, weight, node.attrs["eps"])
         net.replace_all_uses(summed, new_sum)
@@ -129,7 +130,8 @@ class NormLinear(Pass):
                 or net.users(gate_up) != [node] or net.is_output(gate_up)):
             return 0
         with recording(net), net.inserting_before(node):
-            out = F.record("norm_linear", list(producer.inputs), eps=producer.attrs["eps"], act="swiglu")
+            out = F.record("norm_linear", list(producer.inputs), eps=producer.attrs["eps"],
+                           act="swiglu")
         net.replace_all_uses(node.outputs[0], out)
         net.remove_nodes([node, producer])
         return 1

@@ -14,8 +14,8 @@ captured on one device could not express.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from tgraph.errors import GraphError
 from tgraph.ir.network import Network

@@ -14,8 +14,9 @@ Example::
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tgraph.ir.network import Network
 from tgraph.ir.node import Node
@@ -47,7 +48,7 @@ class Match:
         outputs: the graph values that play the pattern's outputs, in order.
     """
 
-    pattern: "Pattern"
+    pattern: Pattern
     bindings: dict[str, Any] = field(default_factory=dict)
     nodes: dict[Node, Node] = field(default_factory=dict)
     outputs: list[Value] = field(default_factory=list)
@@ -193,10 +194,10 @@ class Pattern:
                     return False
         return True
 
-    # ---- rewriting ---------------------------------------------------------------------------------
+    # ---- rewriting -------------------------------------------------------------------------------
 
     def apply(self, net: Network, m: Match) -> bool:
-        """Replace the match; returns False (changing nothing) if no valid insertion point exists."""
+        """Replace the match; returns False (changing nothing) if no insertion point is valid."""
         position = {n.id: i for i, n in enumerate(net.nodes)}
         matched = {g.id for g in m.nodes.values()}
         latest_def = max((position[v.producer.id] for v in m.bindings.values()

@@ -6,7 +6,8 @@ of K/V), then o, gate|up and down, which stream tens of MB of weights. The pass 
 the weights of the linears between it and the next attention: the prefetch launches on a side
 stream right after q/k/v, so HBM works on those weights while the attention runs, and o, gate|up
 and down read them from L2. Prefill networks (attention with ``query_start_loc``) get none; the
-kernel itself only prefetches for steps of at most ``MAX_ROWS`` tokens and on GPUs that support it.
+kernel itself prefetches only for steps of few tokens (``PrefetchTuning.max_rows``) and on GPUs
+that support it.
 """
 from __future__ import annotations
 
@@ -17,12 +18,6 @@ from tgraph.ir.value import Value, ValueKind
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import recording
 from tgraph.passes.manager import Pass
-
-# Share of the device's L2 the prefetched bytes of one layer may take. NOTE: same-process A/Bs on
-# an H100 (50 MB of L2, 2026-11-25, ms per replay at 20 / 30 / 40 MB): Qwen2.5-0.5B batch 1
-# 0.603-0.608 / 0.608-0.617 / 0.609-0.614, Llama-3.2-1B batch 1 1.000-1.004 / 0.993-0.998 /
-# 0.997-0.998 (1.020-1.027 without).
-L2_FRACTION = 0.5
 
 
 def _is_decode_attention(node: Node) -> bool:
@@ -64,8 +59,7 @@ class L2Prefetch(Pass):
                 continue
             attn = order[i]
             with recording(net), net.inserting_before(attn):
-                q = F.record("l2_prefetch", [attn.inputs[0], *weights], halves=tuple(halves),
-                             fraction=L2_FRACTION)
+                q = F.record("l2_prefetch", [attn.inputs[0], *weights], halves=tuple(halves))
             net.set_input(attn, 0, q)
             count += 1
         return count

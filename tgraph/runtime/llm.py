@@ -14,13 +14,14 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from tqdm import tqdm
 
-from tgraph.config import Settings, load_settings
+from tgraph.config import Settings, load_settings, parse_override, tuning_of
 from tgraph.errors import ConfigError, RequestTooLongError
 from tgraph.models.loading import load_model
 from tgraph.nn import distributed
@@ -123,12 +124,12 @@ class LLM:
                                   f"{sorted(_SHORT_KEYS)} or a dotted settings key")
             mapped[_SHORT_KEYS.get(key, key)] = list(value) if isinstance(value, tuple) else value
         if isinstance(config, Settings):
-            settings = load_settings(None, {**_flatten(config.to_dict()), **mapped})
+            settings = load_settings(None, mapped, base=config)
         else:
             settings = load_settings(config, mapped)
         if settings_overrides:
-            settings = load_settings(None, {**_flatten(settings.to_dict()),
-                                            **dict(_split(o) for o in settings_overrides)})
+            settings = load_settings(None, dict(parse_override(o) for o in settings_overrides),
+                                     base=settings)
         self.settings = settings
         llm = settings.llm
         self.dist_info, self._owns_group = _join_tensor_parallel(settings, dist_timeout)
@@ -144,13 +145,14 @@ class LLM:
 
             rules = load_rules(llm.engine.rules)  # bad rules are refused before weights load
         start = time.perf_counter()
+        # The rules are applied before any graph is recorded; placed weights load in place.
         self.model = load_model(
             model_dir, dtype=llm.model.dtype, device=device, max_model_len=max_model_len,
             module_map=module_map, graph=llm.engine.graph, cuda_graph=llm.engine.cuda_graph,
             block_size=llm.cache.block_size, batch_buckets=tuple(llm.engine.batch_buckets),
             prefill_graph_tokens=llm.engine.prefill_graph_tokens,
-            disabled_passes=tuple(llm.engine.disabled_passes), rank=rank, world_size=world_size,
-            rules=rules)  # applied before any graph is recorded; placed weights load in place
+            disabled_passes=tuple(llm.engine.disabled_passes), tuning=tuning_of(settings),
+            rank=rank, world_size=world_size, rules=rules)
         if world_size > 1:
             distributed.check_same_config(self.model.llm_config, what="model config")
         self.load_seconds = time.perf_counter() - start
@@ -260,7 +262,7 @@ class LLM:
 
     def _prepare(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
                  params: SamplingParams | Sequence[SamplingParams] | None, chat: bool,
-                 lora: str | None) -> dict[str, "_State"]:
+                 lora: str | None) -> dict[str, _State]:
         """Encode and check the requests; raises before anything is queued."""
         batch = [prompts] if isinstance(prompts, str) or (
             prompts and isinstance(prompts[0], int)) else list(prompts)
@@ -283,7 +285,7 @@ class LLM:
             self.scheduler.check_fits(state.request)
         return states
 
-    def _agree_on_requests(self, states: dict[str, "_State"], error: Exception | None) -> None:
+    def _agree_on_requests(self, states: dict[str, _State], error: Exception | None) -> None:
         """Every rank shares whether it accepted its requests and a digest of them; then each
         raises if any rank failed or the requests differ, so no rank runs a step alone."""
         digest = hashlib.sha256(json.dumps(
@@ -335,7 +337,7 @@ class LLM:
         bar.close()
         return [outputs[r] for r in sorted(outputs, key=lambda r: int(r.split("-")[1]))]
 
-    def _loop(self, states: dict[str, "_State"]) -> Iterator[StreamEvent]:
+    def _loop(self, states: dict[str, _State]) -> Iterator[StreamEvent]:
         device = self.model.llm_config.device
         while any(not s.done for s in states.values()):
             out = self.scheduler.schedule()
@@ -363,7 +365,7 @@ class LLM:
             self.scheduler.abort_request(s.request_id)
         self.scheduler.update(out, {})
 
-    def _emit(self, state: "_State", token: int, logprobs: TokenLogprobs | None, now: float,
+    def _emit(self, state: _State, token: int, logprobs: TokenLogprobs | None, now: float,
               finished: bool) -> Iterator[StreamEvent]:
         out = state.output
         if out.time_to_first_token is None:
@@ -441,23 +443,6 @@ def _load_tokenizer(model_dir: str | Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path))
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    flat = {}
-    for k, v in tree.items():
-        key = f"{prefix}.{k}" if prefix else k
-        if isinstance(v, dict) and k != "rules":
-            flat.update(_flatten(v, key))
-        else:
-            flat[key] = v
-    return flat
-
-
-def _split(item: str) -> tuple[str, Any]:
-    from tgraph.config import _parse_override
-
-    return _parse_override(item)
 
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "RequestTooLongError"]

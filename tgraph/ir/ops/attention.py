@@ -33,7 +33,7 @@ from tgraph.ir.ops.registry import (
 from tgraph.ir.shape import dims_conflict
 
 
-def _rope_infer(q: Meta, k: Meta, cos: Meta, sin: Meta, *, interleaved: bool = False):
+def rope_infer(q: Meta, k: Meta, cos: Meta, sin: Meta, *, interleaved: bool = False):
     for m, what in ((q, "rope q"), (k, "rope k")):
         require_rank(m, 3, what + " ([tokens, heads, head_dim])")
         require_float(m, what)
@@ -68,10 +68,10 @@ def rope_reference(q, k, cos, sin, *, interleaved=False):
     return _rotate(q, cos, sin, interleaved), _rotate(k, cos, sin, interleaved)
 
 
-register_op("rope", infer=_rope_infer, reference=rope_reference, category=OpCategory.ROPE)
+register_op("rope", infer=rope_infer, reference=rope_reference, category=OpCategory.ROPE)
 
 
-def _cache_infer(k: Meta, v: Meta, k_cache: Meta, v_cache: Meta, slots_mapping: Meta):
+def cache_infer(k: Meta, v: Meta, k_cache: Meta, v_cache: Meta, slots_mapping: Meta):
     require_rank(k, 3, "reshape_and_cache k ([tokens, kv_heads, head_dim])")
     require_rank(v, 3, "reshape_and_cache v")
     for m, what in ((k_cache, "k_cache"), (v_cache, "v_cache")):
@@ -98,11 +98,11 @@ def reshape_and_cache_reference(k, v, k_cache, v_cache, slots_mapping):
     return k_cache, v_cache
 
 
-register_op("reshape_and_cache", infer=_cache_infer, reference=reshape_and_cache_reference,
+register_op("reshape_and_cache", infer=cache_infer, reference=reshape_and_cache_reference,
             category=OpCategory.CACHE, view_of=(2, 3), mutates=(2, 3))
 
 
-def _attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, seq_len: Meta,
+def attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, seq_len: Meta,
                      query_start_loc: Meta | None = None, k_new: Meta | None = None,
                      v_new: Meta | None = None, *, scale: float | None = None,
                      sliding_window: int | None = None) -> Meta:
@@ -128,9 +128,11 @@ def _attention_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, s
         require(hq % hk == 0, f"q heads ({hq}) must be a multiple of kv heads ({hk})")
     require(not dims_conflict(dim_of(q, 2), dim_of(k_cache, 3)),
             f"q {q} and k_cache {k_cache} disagree on head_dim")
-    require((k_new is None) == (v_new is None), "paged_attention: give both k_new and v_new or neither")
+    require((k_new is None) == (v_new is None),
+            "paged_attention: give both k_new and v_new or neither")
     if k_new is not None:
-        require(query_start_loc is not None, "paged_attention: k_new/v_new need query_start_loc (prefill)")
+        require(query_start_loc is not None,
+                "paged_attention: k_new/v_new need query_start_loc (prefill)")
         for m, what in ((k_new, "k_new"), (v_new, "v_new")):
             require_rank(m, 3, f"paged_attention {what} ([tokens, kv_heads, head_dim])")
             require(m.dtype is None or k_cache.dtype is None or m.dtype == k_cache.dtype,
@@ -180,5 +182,5 @@ def paged_attention_reference(q, k_cache, v_cache, block_table, seq_len, query_s
     return out
 
 
-register_op("paged_attention", infer=_attention_infer, reference=paged_attention_reference,
+register_op("paged_attention", infer=attention_infer, reference=paged_attention_reference,
             category=OpCategory.ATTENTION)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tgraph.ir.ops.fused import _add_rms_norm_infer, add_rms_norm_reference
+from tgraph.ir.ops.fused import add_rms_norm_infer, add_rms_norm_reference
 from tgraph.ir.ops.registry import Meta, OpCategory, register_op, require
 from tgraph.ir.shape import normalize_dim
 
@@ -59,7 +59,7 @@ def _all_gather_infer(x: Meta, *, dim: int, world_size: int, capturable: bool = 
     return Meta(tuple(shape), x.dtype)
 
 
-def _group_size(op: str, world_size: int) -> None:
+def check_group_size(op: str, world_size: int) -> None:
     """Refuse to run when there is no process group or it is not the one recorded for."""
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(f"{op}: torch.distributed is not initialized; call "
@@ -73,7 +73,7 @@ def _group_size(op: str, world_size: int) -> None:
 
 def _all_reduce_ref(x: torch.Tensor, *, world_size: int, capturable: bool = False
                     ) -> torch.Tensor:
-    _group_size("all_reduce", world_size)
+    check_group_size("all_reduce", world_size)
     # NOTE: torch's all_reduce works in place; the input may still be read by other nodes.
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
@@ -82,7 +82,7 @@ def _all_reduce_ref(x: torch.Tensor, *, world_size: int, capturable: bool = Fals
 
 def _all_gather_ref(x: torch.Tensor, *, dim: int, world_size: int, capturable: bool = False
                     ) -> torch.Tensor:
-    _group_size("all_gather", world_size)
+    check_group_size("all_gather", world_size)
     x = x.contiguous()
     # The list form works on every backend (gloo has no all_gather_into_tensor everywhere).
     parts = [torch.empty_like(x) for _ in range(world_size)]
@@ -103,7 +103,7 @@ def _all_reduce_add_rms_norm_infer(x: Meta, residual: Meta, weight: Meta, *, eps
                                    reduce_in_place: bool = False) -> tuple[Meta, Meta]:
     _check_tensor(x, "all_reduce_add_rms_norm")
     _check_world_size(world_size, "all_reduce_add_rms_norm")
-    return _add_rms_norm_infer(x, residual, weight, eps=eps)
+    return add_rms_norm_infer(x, residual, weight, eps=eps)
 
 
 def _all_reduce_add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,

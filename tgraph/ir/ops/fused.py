@@ -3,12 +3,10 @@ unfused ops' references, so a fused engine on the reference backend equals the u
 exactly; the Triton kernels behind them are tested against these references."""
 from __future__ import annotations
 
-import torch
-
 from tgraph.ir.ops import attention as attn_ops
-from tgraph.ir.ops.linalg import _linear_infer, _linear_ref
-from tgraph.ir.ops.norms import _norm_infer, rms_norm_reference
-from tgraph.ir.ops.pointwise import _UNARY_FLOAT, _binary, _in_fp32
+from tgraph.ir.ops.linalg import linear_infer, linear_reference
+from tgraph.ir.ops.norms import norm_infer, rms_norm_reference
+from tgraph.ir.ops.pointwise import UNARY_FLOAT, binary_infer, in_fp32
 from tgraph.ir.ops.registry import (
     Meta,
     OpCategory,
@@ -21,11 +19,11 @@ from tgraph.ir.shape import dims_conflict
 EPILOGUE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid")
 
 
-def _add_rms_norm_infer(x: Meta, residual: Meta, weight: Meta, *, eps: float):
-    summed = _binary(x, residual)
+def add_rms_norm_infer(x: Meta, residual: Meta, weight: Meta, *, eps: float):
+    summed = binary_infer(x, residual)
     require(summed.shape == x.shape or summed.shape is None,
             f"add_rms_norm: residual {residual} must have the shape of x {x}")
-    return _norm_infer(summed, weight, eps=eps), summed
+    return norm_infer(summed, weight, eps=eps), summed
 
 
 def add_rms_norm_reference(x, residual, weight, *, eps):
@@ -33,7 +31,7 @@ def add_rms_norm_reference(x, residual, weight, *, eps):
     return rms_norm_reference(summed, weight, eps=eps), summed
 
 
-register_op("add_rms_norm", infer=_add_rms_norm_infer, reference=add_rms_norm_reference,
+register_op("add_rms_norm", infer=add_rms_norm_infer, reference=add_rms_norm_reference,
             category=OpCategory.FUSED,
             doc="(rms_norm(x + residual) * weight, x + residual): the pre-norm residual step")
 
@@ -49,7 +47,7 @@ def _swiglu_infer(gate_up: Meta) -> Meta:
 
 def swiglu_reference(gate_up):
     gate, up = gate_up.chunk(2, dim=-1)
-    return _in_fp32(_UNARY_FLOAT["silu"])(gate) * up
+    return in_fp32(UNARY_FLOAT["silu"])(gate) * up
 
 
 register_op("swiglu", infer=_swiglu_infer, reference=swiglu_reference, category=OpCategory.FUSED,
@@ -58,8 +56,8 @@ register_op("swiglu", infer=_swiglu_infer, reference=swiglu_reference, category=
 
 def _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, *, interleaved=False,
                       keep_k=False):
-    q_out, k_out = attn_ops._rope_infer(q, k, cos, sin, interleaved=interleaved)
-    kc, vc = attn_ops._cache_infer(k_out, v, k_cache, v_cache, slots_mapping)
+    q_out, k_out = attn_ops.rope_infer(q, k, cos, sin, interleaved=interleaved)
+    kc, vc = attn_ops.cache_infer(k_out, v, k_cache, v_cache, slots_mapping)
     return (q_out, kc, vc, k_out) if keep_k else (q_out, kc, vc)
 
 
@@ -76,11 +74,11 @@ register_op("rope_cache", infer=_rope_cache_infer, reference=rope_cache_referenc
                 "with keep_k the rotated k is also a fourth output (a prefill attention reads it)")
 
 
-def _rope_cache_attention_infer(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, block_table, seq_len,
-                                *, interleaved=False, scale=None, sliding_window=None):
+def _rope_cache_attention_infer(q, k, v, cos, sin, k_cache, v_cache, slots_mapping, block_table,
+                                seq_len, *, interleaved=False, scale=None, sliding_window=None):
     q_rot, kc, vc = _rope_cache_infer(q, k, v, cos, sin, k_cache, v_cache, slots_mapping,
                                       interleaved=interleaved)
-    out = attn_ops._attention_infer(q_rot, kc, vc, block_table, seq_len, scale=scale,
+    out = attn_ops.attention_infer(q_rot, kc, vc, block_table, seq_len, scale=scale,
                                     sliding_window=sliding_window)
     return out, kc, vc
 
@@ -105,7 +103,7 @@ register_op("rope_cache_attention", infer=_rope_cache_attention_infer,
 def _linear_epilogue_infer(x, w, bias=None, residual=None, *, transpose_b=True, act=None):
     require(act is None or act in EPILOGUE_ACTIVATIONS,
             f"linear_epilogue: unknown activation {act!r}")
-    out = _linear_infer(x, w, bias, transpose_b=transpose_b)
+    out = linear_infer(x, w, bias, transpose_b=transpose_b)
     if residual is not None and residual.shape is not None and out.shape is not None:
         require(len(residual.shape) == len(out.shape)
                 and not any(dims_conflict(a, b) for a, b in zip(residual.shape, out.shape)),
@@ -114,9 +112,9 @@ def _linear_epilogue_infer(x, w, bias=None, residual=None, *, transpose_b=True, 
 
 
 def linear_epilogue_reference(x, w, bias=None, residual=None, *, transpose_b=True, act=None):
-    out = _linear_ref(x, w, bias, transpose_b=transpose_b)
+    out = linear_reference(x, w, bias, transpose_b=transpose_b)
     if act is not None:
-        out = _in_fp32(_UNARY_FLOAT[act])(out)
+        out = in_fp32(UNARY_FLOAT[act])(out)
     return out if residual is None else out + residual
 
 
@@ -130,13 +128,14 @@ NORM_LINEAR_ACTIVATIONS = ("swiglu",)
 
 def _norm_linear_infer(x, norm_weight, w, bias=None, *, eps, act=None):
     require(act is None or act in NORM_LINEAR_ACTIVATIONS,
-            f"norm_linear: unknown activation {act!r} (expected None or one of {NORM_LINEAR_ACTIVATIONS})")
-    out = _linear_infer(_norm_infer(x, norm_weight, eps=eps), w, bias)
+            f"norm_linear: unknown activation {act!r} "
+            f"(expected None or one of {NORM_LINEAR_ACTIVATIONS})")
+    out = linear_infer(norm_infer(x, norm_weight, eps=eps), w, bias)
     return _swiglu_infer(out) if act == "swiglu" else out
 
 
 def norm_linear_reference(x, norm_weight, w, bias=None, *, eps, act=None):
-    out = _linear_ref(rms_norm_reference(x, norm_weight, eps=eps), w, bias)
+    out = linear_reference(rms_norm_reference(x, norm_weight, eps=eps), w, bias)
     return swiglu_reference(out) if act == "swiglu" else out
 
 
@@ -148,14 +147,14 @@ register_op("norm_linear", infer=_norm_linear_infer, reference=norm_linear_refer
 
 
 def _silu_mul_infer(a: Meta, b: Meta) -> Meta:
-    out = _binary(a, b)
+    out = binary_infer(a, b)
     require(out.shape == a.shape or out.shape is None,
             f"silu_mul: {a} and {b} must have the same shape")
     return out
 
 
 def silu_mul_reference(a, b):
-    return _in_fp32(_UNARY_FLOAT["silu"])(a) * b
+    return in_fp32(UNARY_FLOAT["silu"])(a) * b
 
 
 register_op("silu_mul", infer=_silu_mul_infer, reference=silu_mul_reference,

@@ -17,8 +17,9 @@ node has exactly the semantics of the nodes it replaced.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -14,7 +14,7 @@ def _inner(k_a, k_b, what: str):
         raise ShapeRuleError(f"{what}: inner dims differ ({k_a} vs {k_b})") from None
 
 
-def _linear_infer(x: Meta, w: Meta, bias: Meta | None = None, *, transpose_a: bool = False,
+def linear_infer(x: Meta, w: Meta, bias: Meta | None = None, *, transpose_a: bool = False,
                   transpose_b: bool = True) -> Meta:
     require_same_dtype(x, w, "linear input and weight")
     if w.shape is not None:
@@ -37,14 +37,14 @@ def _linear_infer(x: Meta, w: Meta, bias: Meta | None = None, *, transpose_a: bo
     return Meta(lead + (n,), x.dtype)
 
 
-def _linear_ref(x, w, bias=None, *, transpose_a=False, transpose_b=True):
+def linear_reference(x, w, bias=None, *, transpose_a=False, transpose_b=True):
     a = x.t() if transpose_a else x
     b = w.t() if transpose_b else w
     out = a @ b
     return out + bias if bias is not None else out
 
 
-register_op("linear", infer=_linear_infer, reference=_linear_ref, category=OpCategory.LINALG,
+register_op("linear", infer=linear_infer, reference=linear_reference, category=OpCategory.LINALG,
             doc="x @ w.T (+ bias) with torch.nn.Linear's weight layout by default")
 
 

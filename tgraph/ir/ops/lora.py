@@ -18,7 +18,9 @@ Layouts (shared with ``tgraph.kernels.triton.lora``): ``x [T, K]``, ``a_stack [L
 sorted by slot, stable) and ``seg_start`` int ``[L + 1]`` (where each slot's run starts): the
 grouping computed once per step, so the kernel of every adapted linear skips the sort;
 ``counters`` int32 ``[C]``: the kernel's arrival counters, a persistent zeroed buffer it leaves
-zeroed (the reference ignores it).
+zeroed (the reference ignores it). A feature allocates ``C = LORA_COUNTER_SLOTS`` of them, once,
+with torch: a split launch takes one counter per tile of its grid and a launch of more tiles than
+counters runs unsplit, so the count bounds only how large a grid may split, never correctness.
 
 Fused producers (the ``LoraPrologue`` pass): the RMSNorm that computes ``x`` for a LoRA linear and
 nothing else (before q/k/v and gate/up, with or without the residual add) folds into the concat,
@@ -36,10 +38,13 @@ from __future__ import annotations
 
 import torch
 
+from tgraph.ir.ops.fused import add_rms_norm_reference
+from tgraph.ir.ops.norms import rms_norm_reference
 from tgraph.ir.ops.registry import (
     Meta,
     OpCategory,
     dim_of,
+    get_op,
     register_op,
     require,
     require_float,
@@ -47,9 +52,14 @@ from tgraph.ir.ops.registry import (
     require_rank,
     require_same_dtype,
 )
-from tgraph.ir.ops.fused import _add_rms_norm_infer, add_rms_norm_reference
-from tgraph.ir.ops.norms import _norm_infer, rms_norm_reference
 from tgraph.ir.shape import dims_conflict
+
+__all__ = ["LORA_COUNTER_SLOTS", "add_rms_norm_lora_concat_reference",
+           "lora_shrink_concat_reference", "rms_norm_lora_concat_reference"]
+
+# Arrival counters a LoRA feature allocates for the shrink ops (``counters [LORA_COUNTER_SLOTS]``);
+# far more than the tiles of any grid that benefits from a split (a few per SM).
+LORA_COUNTER_SLOTS = 1024
 
 
 def _check_layout(x: Meta, a: Meta, lead: int, width: int) -> None:
@@ -91,7 +101,8 @@ def _shrink_concat_infer(x: Meta, a: Meta, scaling: Meta, slots: Meta, order: Me
     for d1, d2, what in checks:
         require(not dims_conflict(d1, d2),
                 f"lora_shrink_concat: {what} differ ({d1} vs {d2}); inputs x {x}, a_stack {a}, "
-                f"scaling {scaling}, token_slots {slots}, token_order {order}, seg_start {seg_start}")
+                f"scaling {scaling}, token_slots {slots}, token_order {order}, "
+                f"seg_start {seg_start}")
     _check_layout(x, a, lead, width)
     k = dim_of(x, -1)
     if not isinstance(k, int):
@@ -128,8 +139,8 @@ def lora_shrink_concat_reference(x: torch.Tensor, a_stack: torch.Tensor, scaling
     out[:, :K] = x
     slots = token_slots.long()
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
-        raise ValueError(f"lora_shrink_concat: token_slots must lie in [0, {num_slots}), got values "
-                         f"in [{int(slots.min())}, {int(slots.max())}]")
+        raise ValueError(f"lora_shrink_concat: token_slots must lie in [0, {num_slots}), got "
+                         f"values in [{int(slots.min())}, {int(slots.max())}]")
     for s in torch.unique(slots).tolist():
         if s == 0:
             continue  # no adapter: zeros
@@ -151,8 +162,8 @@ _DOC_TAIL = ", then lora_shrink_concat of the result, in one kernel at decode"
 
 def _rms_norm_concat_infer(h: Meta, norm_weight: Meta, *lora: Meta, eps: float, lead: int,
                            width: int) -> Meta:
-    return _shrink_concat_infer(_norm_infer(h, norm_weight, eps=eps), *lora, lead=lead,
-                                width=width)
+    normed = get_op("rms_norm").infer(h, norm_weight, eps=eps)
+    return _shrink_concat_infer(normed, *lora, lead=lead, width=width)
 
 
 def rms_norm_lora_concat_reference(h, norm_weight, *lora, eps, lead, width):
@@ -162,7 +173,7 @@ def rms_norm_lora_concat_reference(h, norm_weight, *lora, eps, lead, width):
 
 def _add_rms_norm_concat_infer(x: Meta, residual: Meta, norm_weight: Meta, *lora: Meta,
                                eps: float, lead: int, width: int) -> tuple[Meta, Meta]:
-    normed, summed = _add_rms_norm_infer(x, residual, norm_weight, eps=eps)
+    normed, summed = get_op("add_rms_norm").infer(x, residual, norm_weight, eps=eps)
     return _shrink_concat_infer(normed, *lora, lead=lead, width=width), summed
 
 

@@ -17,7 +17,7 @@ def _check_affine(x: Meta, w: Meta | None, what: str) -> None:
             f"{what} {w} does not match the last dim of the input {x}")
 
 
-def _norm_infer(x: Meta, weight: Meta | None = None, bias: Meta | None = None, *,
+def norm_infer(x: Meta, weight: Meta | None = None, bias: Meta | None = None, *,
                 eps: float) -> Meta:
     require_float(x, "norm input")
     _check_affine(x, weight, "norm weight")
@@ -42,7 +42,7 @@ def layer_norm_reference(x, weight=None, bias=None, *, eps):
     return h
 
 
-register_op("rms_norm", infer=lambda x, weight=None, *, eps: _norm_infer(x, weight, eps=eps),
+register_op("rms_norm", infer=lambda x, weight=None, *, eps: norm_infer(x, weight, eps=eps),
             reference=rms_norm_reference, category=OpCategory.NORM)
-register_op("layer_norm", infer=_norm_infer, reference=layer_norm_reference,
+register_op("layer_norm", infer=norm_infer, reference=layer_norm_reference,
             category=OpCategory.NORM)

@@ -52,18 +52,18 @@ def _unary_same(x: Meta) -> Meta:
     return Meta(x.shape, x.dtype)
 
 
-def _binary(a: Meta, b: Meta) -> Meta:
+def binary_infer(a: Meta, b: Meta) -> Meta:
     require(not (a.scalar and b.scalar), "at least one operand must be a tensor")
     return Meta(broadcast_shapes(a.shape, b.shape), promote(a, b))
 
 
 def _true_div(a: Meta, b: Meta) -> Meta:
-    out = _binary(a, b)
+    out = binary_infer(a, b)
     return Meta(out.shape, _float_dtype(out.dtype))
 
 
 def _compare(a: Meta, b: Meta) -> Meta:
-    return Meta(_binary(a, b).shape, torch.bool)
+    return Meta(binary_infer(a, b).shape, torch.bool)
 
 
 def _tensor(x, like: torch.Tensor) -> torch.Tensor:
@@ -74,7 +74,7 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return torch_F.gelu(x, approximate="tanh")
 
 
-def _in_fp32(fn):
+def in_fp32(fn):
     """Compute a transcendental in fp32 and round once, as fused kernels do."""
     def ref(x: torch.Tensor) -> torch.Tensor:
         out_dtype = _float_dtype(x.dtype)
@@ -83,7 +83,7 @@ def _in_fp32(fn):
     return ref
 
 
-_UNARY_FLOAT = {
+UNARY_FLOAT = {
     "exp": torch.exp,
     "log": torch.log,
     "sqrt": torch.sqrt,
@@ -97,8 +97,8 @@ _UNARY_FLOAT = {
     "gelu_tanh": _gelu_tanh,
     "reciprocal": torch.reciprocal,
 }
-for _name, _fn in _UNARY_FLOAT.items():
-    register_op(_name, infer=_unary_float, reference=_in_fp32(_fn), category=OpCategory.POINTWISE)
+for _name, _fn in UNARY_FLOAT.items():
+    register_op(_name, infer=_unary_float, reference=in_fp32(_fn), category=OpCategory.POINTWISE)
 
 register_op("neg", infer=_unary_same, reference=operator.neg, category=OpCategory.POINTWISE)
 register_op("abs", infer=_unary_same, reference=torch.abs, category=OpCategory.POINTWISE)
@@ -106,16 +106,16 @@ register_op("relu", infer=_unary_same, reference=torch.relu, category=OpCategory
 register_op("logical_not", infer=lambda x: Meta(x.shape, torch.bool),
             reference=torch.logical_not, category=OpCategory.POINTWISE)
 
-register_op("add", infer=_binary, reference=operator.add, category=OpCategory.POINTWISE,
+register_op("add", infer=binary_infer, reference=operator.add, category=OpCategory.POINTWISE,
             commutative=True)
-register_op("mul", infer=_binary, reference=operator.mul, category=OpCategory.POINTWISE,
+register_op("mul", infer=binary_infer, reference=operator.mul, category=OpCategory.POINTWISE,
             commutative=True)
-register_op("sub", infer=_binary, reference=operator.sub, category=OpCategory.POINTWISE)
+register_op("sub", infer=binary_infer, reference=operator.sub, category=OpCategory.POINTWISE)
 register_op("div", infer=_true_div, reference=operator.truediv, category=OpCategory.POINTWISE)
-register_op("pow", infer=_binary, reference=operator.pow, category=OpCategory.POINTWISE)
-register_op("maximum", infer=_binary, commutative=True, category=OpCategory.POINTWISE,
+register_op("pow", infer=binary_infer, reference=operator.pow, category=OpCategory.POINTWISE)
+register_op("maximum", infer=binary_infer, commutative=True, category=OpCategory.POINTWISE,
             reference=lambda a, b: torch.maximum(_tensor(a, b), _tensor(b, a)))
-register_op("minimum", infer=_binary, commutative=True, category=OpCategory.POINTWISE,
+register_op("minimum", infer=binary_infer, commutative=True, category=OpCategory.POINTWISE,
             reference=lambda a, b: torch.minimum(_tensor(a, b), _tensor(b, a)))
 
 for _name, _fn in {"eq": operator.eq, "ne": operator.ne, "lt": operator.lt, "le": operator.le,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from tgraph.ir.ops.attention import _attention_infer
+from tgraph.ir.ops.attention import attention_infer
 from tgraph.ir.ops.registry import Meta, OpCategory, register_op, require
 
 
@@ -26,7 +26,7 @@ def _sdpa_infer(q: Meta, k_cache: Meta, v_cache: Meta, block_table: Meta, seq_le
     require(query_start_loc is not None,
             "sdpa_attention is prefill attention: it needs query_start_loc ([batch + 1]); "
             "decode uses paged_attention")
-    return _attention_infer(q, k_cache, v_cache, block_table, seq_len, query_start_loc,
+    return attention_infer(q, k_cache, v_cache, block_table, seq_len, query_start_loc,
                             scale=scale, sliding_window=sliding_window)
 
 

@@ -85,7 +85,8 @@ def _select_infer(x: Meta, *, dim: int, index: int) -> Meta:
     d = normalize_dim(dim, len(x.shape))
     size = x.shape[d]
     if isinstance(size, int):
-        require(-size <= index < size, f"index {index} is out of range for dim {dim} of size {size}")
+        require(-size <= index < size,
+                f"index {index} is out of range for dim {dim} of size {size}")
     return Meta(x.shape[:d] + x.shape[d + 1:], x.dtype)
 
 

@@ -7,10 +7,10 @@ by at most about one unit in the last place of the output dtype.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
+
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor as _check_tensor
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
@@ -48,10 +48,11 @@ def _swiglu_kernel(
     u = tl.load(gate_ptrs + N, mask=mask, other=0.0).to(tl.float32)
     # silu(g) = g * sigmoid(g); for g -> -inf, exp overflows to inf and the quotient is -0.
     y = g / (1.0 + tl.exp(-g)) * u
-    tl.store(out_ptr + rows64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + rows64 * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
-def _config(n: int) -> tuple[int, int, int]:
+def launch_config(n: int) -> tuple[int, int, int]:
     """Pick ``(ROWS, BLOCK_N, num_warps)`` from the output width alone (never from M)."""
     block_n = min(triton.next_power_of_2(n), _MAX_BLOCK_N)
     rows = max(1, min(16, _TARGET_TILE // block_n))
@@ -81,16 +82,18 @@ def swiglu(gate_up: torch.Tensor, out: torch.Tensor) -> None:
     _check_tensor(op, "out", out, 2)
     m, two_n = gate_up.shape
     if two_n % 2:
-        raise ValueError(f"{op}: gate_up: expected an even last dim [gate | up], got {tuple(gate_up.shape)}")
+        raise ValueError(f"{op}: gate_up: expected an even last dim [gate | up], "
+                         f"got {tuple(gate_up.shape)}")
     n = two_n // 2
     if tuple(out.shape) != (m, n):
         raise ValueError(
-            f"{op}: out: expected shape {(m, n)} for gate_up {tuple(gate_up.shape)}, got {tuple(out.shape)}"
+            f"{op}: out: expected shape {(m, n)} for gate_up {tuple(gate_up.shape)}, "
+            f"got {tuple(out.shape)}"
         )
     _check_device(op, {"gate_up": gate_up, "out": out})
     if m == 0 or n == 0:
         return
-    rows, block_n, num_warps = _config(n)
+    rows, block_n, num_warps = launch_config(n)
     grid = (triton.cdiv(m, rows), triton.cdiv(n, block_n))
     _swiglu_kernel[grid](
         gate_up, out, m, n, gate_up.stride(0), out.stride(0),

@@ -19,10 +19,10 @@ therefore on shapes, dtypes and devices only; the values of ``seq_len``, ``query
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from tgraph import envs
 from tgraph.kernels.triton.attention_decode import (
     NewKey,
     choose_num_splits,
@@ -32,6 +32,7 @@ from tgraph.kernels.triton.attention_decode import (
 )
 from tgraph.kernels.triton.attention_prefill import launch_prefill, prefill_config
 from tgraph.kernels.triton.device_info import sm_count
+from tgraph.tuning import DecodeAttentionTuning
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -63,7 +64,7 @@ def _check_attention_args(
     for name, t in named.items():
         if t.device != q.device:
             raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if q.device.type == "cpu" and not envs.TRITON_INTERPRET:
         raise ValueError(
             f"{op}: CPU tensors need the Triton interpreter (TRITON_INTERPRET=1 set before "
             "triton is imported); use the torch reference kernels on CPU otherwise"
@@ -203,7 +204,8 @@ def paged_attention_prefill(
 
 def _check_new_kv(op: str, new_kv, q: torch.Tensor, k_cache: torch.Tensor) -> None:
     if not (isinstance(new_kv, (tuple, list)) and len(new_kv) == 2):
-        raise TypeError(f"{op}: new_kv must be a (k, v) pair of tensors, got {type(new_kv).__name__}")
+        raise TypeError(f"{op}: new_kv must be a (k, v) pair of tensors, "
+                        f"got {type(new_kv).__name__}")
     want = (q.shape[0], k_cache.shape[2], k_cache.shape[3])
     for name, t in zip(("new k", "new v"), new_kv):
         if not isinstance(t, torch.Tensor):
@@ -211,7 +213,8 @@ def _check_new_kv(op: str, new_kv, q: torch.Tensor, k_cache: torch.Tensor) -> No
         if tuple(t.shape) != want:
             raise ValueError(f"{op}: {name} must be [T, Hk, D] = {list(want)}, got {list(t.shape)}")
         if t.dtype != k_cache.dtype:
-            raise TypeError(f"{op}: {name} must have the cache's dtype {k_cache.dtype}, got {t.dtype}")
+            raise TypeError(f"{op}: {name} must have the cache's dtype {k_cache.dtype}, "
+                            f"got {t.dtype}")
         if t.device != q.device:
             raise ValueError(f"{op}: {name} is on {t.device}, q on {q.device}")
         if t.numel() and t.stride(2) != 1:
@@ -231,6 +234,7 @@ def paged_attention_decode(
     *,
     workspace: torch.Tensor | None = None,
     new_key: NewKey | None = None,
+    tuning: DecodeAttentionTuning | None = None,
 ) -> None:
     """Attention of one query per sequence (at position ``seq_len[b] - 1``) over a paged cache.
 
@@ -254,6 +258,7 @@ def paged_attention_decode(
             attention, without its launch): ``q`` is unrotated, the cache does not hold this
             step's key yet, and the kernel rotates q and ``new_key.k``, stores k and v at
             ``new_key.slots_mapping`` and uses the new key from registers. See :class:`NewKey`.
+        tuning: the launch settings (the engine's; the defaults when None).
 
     Returns:
         None; the result is in ``out`` (and, with ``new_key``, the step's k/v in the cache).
@@ -265,9 +270,11 @@ def paged_attention_decode(
     batch, num_q_heads, head_dim = q.shape
     if seq_len.shape[0] != batch:
         raise ValueError(f"{op}: seq_len has {seq_len.shape[0]} sequences but q has {batch} rows")
+    tuning = DecodeAttentionTuning() if tuning is None else tuning
     if num_splits is None:
         max_context = block_table.shape[1] * k_cache.shape[1]
-        num_splits = choose_num_splits(batch, k_cache.shape[2], max_context, sm_count(q.device))
+        num_splits = choose_num_splits(batch, k_cache.shape[2], max_context, sm_count(q.device),
+                                       tuning)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"{op}: num_splits must be None or an int >= 1, got {num_splits!r}")
     if workspace is not None:
@@ -283,10 +290,12 @@ def paged_attention_decode(
             )
     scale = _resolve_scale(op, scale, head_dim)
     programs = batch * k_cache.shape[2] * num_splits
-    config = decode_config(head_dim, q.device.type == "cuda", programs, sm_count(q.device))
+    config = decode_config(head_dim, q.device.type == "cuda", programs, sm_count(q.device),
+                           tuning)
     launch_decode(
         q, k_cache, v_cache, block_table, seq_len, scale, sliding_window, out, num_splits,
         workspace.view(-1) if workspace is not None else None, config, new_key,
+        tuning.early_kv_max_programs_per_sm,
     )
 
 
@@ -313,9 +322,11 @@ def _check_new_key(op: str, nk: NewKey, q: torch.Tensor, k_cache: torch.Tensor) 
         raise ValueError(f"{op}: new_key.sin {list(nk.sin.shape)} must match cos "
                          f"{list(nk.cos.shape)}")
     slots_mapping = nk.slots_mapping
-    if not isinstance(slots_mapping, torch.Tensor) or slots_mapping.dtype not in (torch.int32, torch.int64) \
+    if not isinstance(slots_mapping, torch.Tensor) \
+            or slots_mapping.dtype not in (torch.int32, torch.int64) \
             or tuple(slots_mapping.shape) != (batch,) or slots_mapping.device != q.device:
-        raise ValueError(f"{op}: new_key.slots_mapping must be int32/int64 [{batch}] on {q.device}, "
+        raise ValueError(f"{op}: new_key.slots_mapping must be int32/int64 [{batch}] "
+                         f"on {q.device}, "
                          f"got {getattr(slots_mapping, 'dtype', type(slots_mapping).__name__)} "
                          f"{list(getattr(slots_mapping, 'shape', []))}")
     if not isinstance(nk.interleaved, bool):

@@ -12,23 +12,21 @@ unnormalised ``acc``) to an fp32 workspace. Pass 2 (one program per (sequence, q
 rescales and sums the partials. With a single split, pass 1 normalises and writes ``out``
 directly and pass 2 is skipped.
 
-NOTE: merging the splits inside pass 1 (the last split to finish, found with an atomic arrival
-counter, merges them) saves the second launch but measured slower in whole decode steps on an
-H200 (2026-11-22, same process: Llama-3.2-1B batch 1 0.917 vs 0.872 ms per replay, Qwen2.5-0.5B
-0.756 vs 0.655): the merge then runs serially after the slowest split, while the separate
-reduce overlaps its launch with pass 1 (PDL) and spreads over one program per query head. The loop over keys is the online-softmax loop shared with the
-prefill kernel, :func:`tgraph.kernels.triton.attention_prefill.attend_paged_keys`.
+NOTE: merging the splits inside pass 1 (the last split to finish merges them) saves the second
+launch but measured slower in whole decode steps: the merge then runs serially after the slowest
+split, while the separate reduce overlaps its launch with pass 1 (PDL) and spreads over one
+program per query head. The loop over keys is the online-softmax loop shared with the prefill
+kernel, :func:`tgraph.kernels.triton.attention_prefill.attend_paged_keys`.
 
 With a :class:`NewKey` (the ``rope_cache_attention`` op), pass 1 also does the step's rotary
 embedding and cache write: every program rotates its q rows as it loads them, and the program whose
 split holds position ``seq_len - 1`` rotates this step's key, stores k and v at the sequence's slot
 and folds that key into its softmax state from registers; its loop stops one key short, so no
-program reads the slot being written. A same-process A/B on an H100 (2026-11-22) measured it a
-wash to 2% per step (Qwen2.5-0.5B batch 1: 0.650 vs 0.665 and 0.691 vs 0.699 ms per replay, 124
-vs 148 kernels; Llama-3.2-1B batch 1 and 16 within noise): it is kept for the launches it saves.
+program reads the slot being written (a wash to 2% per step, kept for the launches it saves).
 
 Splits divide the keys the sequence actually has (read from ``seq_len`` on the device), so the
 grid depends only on the batch shape and ``num_splits`` and stays CUDA-graph capturable.
+Launch settings come from a :class:`~tgraph.tuning.DecodeAttentionTuning`.
 """
 from __future__ import annotations
 
@@ -45,29 +43,9 @@ from tgraph.kernels.triton.attention_prefill import (
 )
 from tgraph.kernels.triton.device_info import DEFAULT_SM_COUNT, sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
+from tgraph.tuning import DecodeAttentionTuning, DecodeTiles
 
-# A split should stream at least this many keys, otherwise the cost of writing and reducing its
-# partial state (D + 2 floats per query head) stops being small next to its reads.
-MIN_KEYS_PER_SPLIT = 256
-# Upper bound on splits: beyond it the reduce pass and the workspace grow with no gain.
-MAX_SPLITS = 64
-# Enough resident programs per SM to hide memory latency with a few loads in flight each. NOTE:
-# 2 rather than 4 after a same-process A/B on an H100 (2026-11-25, tgraph.bench.ab, Llama-3.2-1B
-# batch 16 at context 512, ms per replay): 1.362 / 1.468 / 1.469 against 1.458 / 1.537 / 1.537
-# (with EARLY_KV off at that grid, below). 4 gave 8 splits of one 64-key tile each: 1024 programs
-# in two waves, each paying the whole latency chain for one tile; 2 gives 4 splits of two tiles.
-PROGRAMS_PER_SM = 2
-# With the new key folded in (NewKey), each split loads its first K/V tile before the PDL wait
-# when the grid has at most this many programs per SM (0: never). Same-process A/B on an H100
-# (2026-11-25, ms per replay, with / without, rounds 2-4): Llama-3.2-1B batch 1 (128 programs)
-# 1.054-1.055 / 1.076-1.077, Qwen2.5-0.5B batch 1 0.643-0.646 / 0.655-0.657; at batch 16 (1024
-# programs, two waves) the early tile cost 3-5% instead (the registers it holds across the wait
-# leave fewer programs resident). A module constant so tgraph.bench.ab can vary it.
-EARLY_KV_MAX_PROGRAMS_PER_SM = 1
-# (block_n, num_warps, num_stages) that replaces decode_config's choice on CUDA, for same-process
-# A/Bs of whole steps (tgraph.bench.ab --set
-# "tgraph.kernels.triton.attention_decode.CONFIG_OVERRIDE=(128, 4, 2)"); None: the heuristic.
-CONFIG_OVERRIDE: tuple[int, int, int] | None = None
+_DEFAULT_TUNING = DecodeAttentionTuning()
 
 
 @dataclass(frozen=True)
@@ -75,8 +53,8 @@ class NewKey:
     """This step's key and value, for a decode that also does the rope and the cache write.
 
     ``q`` then arrives unrotated; the split kernel rotates it, rotates ``k``, stores ``k`` and
-    ``v`` at ``slots_mapping`` in the cache (skipping slots_mapping outside it), and takes the new key from
-    registers rather than reading it back (see ``tgraph.kernels.triton.attention``'s
+    ``v`` at ``slots_mapping`` in the cache (skipping slots_mapping outside it), and takes the new
+    key from registers rather than reading it back (see ``tgraph.kernels.triton.attention``'s
     ``rope_cache_attention_decode``).
 
     Attributes:
@@ -115,7 +93,8 @@ class DecodeConfig:
 
 
 def decode_config(head_dim: int, is_cuda: bool, programs: int | None = None,
-                  num_sms: int = DEFAULT_SM_COUNT) -> DecodeConfig:
+                  num_sms: int = DEFAULT_SM_COUNT,
+                  tuning: DecodeAttentionTuning = _DEFAULT_TUNING) -> DecodeConfig:
     """Pick tile sizes by heuristic.
 
     Args:
@@ -123,42 +102,38 @@ def decode_config(head_dim: int, is_cuda: bool, programs: int | None = None,
         is_cuda: False under the Triton interpreter, where small tiles keep tests multi-tile.
         programs: the split kernel's grid size, ``B * Hk * num_splits`` (None: not known).
         num_sms: streaming multiprocessors of the device.
+        tuning: the tiles by grid size, or an override for every CUDA launch.
 
     Returns:
         The launch configuration.
     """
     if not is_cuda:
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1)
-    if CONFIG_OVERRIDE is not None:
-        return DecodeConfig(*CONFIG_OVERRIDE)
+    if tuning.override is not None:
+        return _config(tuning.override)
     if head_dim <= 128 and programs is not None and programs <= num_sms:
-        # NOTE: a grid of at most one program per SM (batch 1, a few sequences) streams 32-key
-        # tiles in 2 stages: each split of a 512-key context then holds one tile, where 64-key
-        # tiles left half of the splits empty. Same-process A/Bs on H100s (2026-11-25,
-        # tgraph.bench.ab, ms per replay, rounds 1-3, with / without): Qwen2.5-0.5B batch 1
-        # 0.596 / 0.597 / 0.598 against 0.600 / 0.600 / 0.607, and on another machine 0.614 /
-        # 0.609 / 0.601 against 0.600 / 0.602 / 0.604 (a wash); Llama-3.2-1B batch 1 0.991 /
-        # 0.990 / 0.986 against 0.998 / 0.998 / 0.998, then 0.983 / 0.996 / 0.983 against 0.998
-        # / 0.994 / 0.994 (~1% faster). At batch 16 (512 programs) no other shape
-        # beat 64 x 3 stages (1.258-1.269): 64 x 2 stages 1.262-1.265, 128 x 2 stages
-        # 1.280-1.282, 128 x 3 stages with 8 warps 1.335-1.344, 64 x 3 with 8 warps 1.332-1.334,
-        # 32 x 3 in 8 splits 1.296-1.298, 128 x 3 in 2 splits 1.288-1.290.
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+        return _config(tuning.small_grid_tiles)
     if head_dim <= 128:
-        return DecodeConfig(block_n=64, num_warps=4, num_stages=3)
-    return DecodeConfig(block_n=32, num_warps=4, num_stages=2)
+        return _config(tuning.tiles)
+    return DecodeConfig(block_n=32, num_warps=4, num_stages=2)  # D=256: registers and smem
+
+
+def _config(tiles: DecodeTiles) -> DecodeConfig:
+    return DecodeConfig(block_n=tiles.block_n, num_warps=tiles.num_warps,
+                        num_stages=tiles.num_stages)
 
 
 def choose_num_splits(
-    batch: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_SM_COUNT
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int = DEFAULT_SM_COUNT,
+    tuning: DecodeAttentionTuning = _DEFAULT_TUNING,
 ) -> int:
     """Number of KV splits for split-KV decode, from shapes only (so CUDA graphs can capture it).
 
     Splitting pays when ``batch * num_kv_heads`` programs are too few to keep every SM streaming
-    KV; it costs a workspace round trip and a second launch. The heuristic aims at
-    at least ``PROGRAMS_PER_SM * num_sms`` programs (rounded up to a power of two: a bounded set of
-    compiled reduce kernels) while keeping at least ``MIN_KEYS_PER_SPLIT`` keys per split of the
-    longest possible context.
+    KV; it costs a workspace round trip and a second launch. The heuristic aims at at least
+    ``tuning.programs_per_sm * num_sms`` programs (rounded up to a power of two: a bounded set of
+    compiled reduce kernels) while keeping at least ``tuning.min_keys_per_split`` keys per split
+    of the longest possible context.
 
     Args:
         batch: number of sequences B.
@@ -166,13 +141,14 @@ def choose_num_splits(
         max_context: the longest context the block table can address,
             ``block_table.shape[1] * block_size``.
         num_sms: streaming multiprocessors of the device (132 is used off CUDA).
+        tuning: the split bounds.
 
     Returns:
-        num_splits in [1, MAX_SPLITS].
+        num_splits in [1, tuning.max_splits].
     """
     programs = max(1, batch * num_kv_heads)
-    wanted = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * num_sms, programs))
-    most = max(1, min(MAX_SPLITS, max_context // MIN_KEYS_PER_SPLIT))
+    wanted = triton.next_power_of_2(triton.cdiv(tuning.programs_per_sm * num_sms, programs))
+    most = max(1, min(tuning.max_splits, max_context // tuning.min_keys_per_split))
     # Round the cap down to a power of two so the minimum of keys per split still holds.
     return min(wanted, 1 << (most.bit_length() - 1))
 
@@ -407,12 +383,12 @@ def _decode_reduce_kernel(
     rows = (seq.to(tl.int64) * num_q_heads + head) * num_splits + offs_s
 
     m = tl.load(ws_ml_ptr + rows * 2, mask=split_mask, other=float("-inf"))
-    l = tl.load(ws_ml_ptr + rows * 2 + 1, mask=split_mask, other=0.0)
+    sums = tl.load(ws_ml_ptr + rows * 2 + 1, mask=split_mask, other=0.0)
     m_max = tl.max(m, 0)
     # All splits empty (seq_len 0): weights become exp2(-inf) = 0 and the output 0, not NaN.
     m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
     w = tl.math.exp2(m - m_max)
-    denom = tl.sum(w * l, 0)
+    denom = tl.sum(w * sums, 0)
     acc = tl.load(
         ws_acc_ptr + rows[:, None] * HEAD_DIM + offs_d[None, :], mask=split_mask[:, None], other=0.0
     )
@@ -434,6 +410,7 @@ def launch_decode(
     workspace: torch.Tensor | None,
     config: DecodeConfig,
     new_key: NewKey | None = None,
+    early_kv_max_programs_per_sm: int = _DEFAULT_TUNING.early_kv_max_programs_per_sm,
 ) -> None:
     """Launch split-KV decode on arguments already checked by the public wrapper.
 
@@ -444,6 +421,8 @@ def launch_decode(
         workspace: fp32, at least :func:`workspace_numel` elements, or None to allocate one.
         config: tile sizes from :func:`decode_config`.
         new_key: fold the step's rope and cache write in (``q`` unrotated); see :class:`NewKey`.
+        early_kv_max_programs_per_sm: with ``new_key``, grids of at most this many programs per
+            SM load each split's first K/V tile before the PDL wait (0: never).
     """
     batch, num_q_heads, head_dim = q.shape
     if batch == 0:
@@ -490,7 +469,7 @@ def launch_decode(
         ROT_HALF=nk.cos.shape[1] if nk else 0,
         INTERLEAVED=bool(nk and nk.interleaved),
         EARLY_KV=nk is not None
-        and batch * num_kv_heads * num_splits <= EARLY_KV_MAX_PROGRAMS_PER_SM * sm_count(q.device),
+        and batch * num_kv_heads * num_splits <= early_kv_max_programs_per_sm * sm_count(q.device),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
         **pdl_kwargs(q),

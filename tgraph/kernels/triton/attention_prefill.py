@@ -27,13 +27,14 @@ alternative runs one loop per range.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from tgraph import envs
 
 # NOTE: softmax runs in base 2 (exp2 is a single MUFU instruction); scores are pre-multiplied
 # by log2(e) together with the user's scale, so results equal the natural-base softmax.
@@ -101,14 +102,9 @@ def prefill_config(
         pack = group > 1
         cfg = PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, pack_gqa=pack)
     else:
-        # NOTE: the H200 sweep of 2026-11-22 (docs/bench/h200-tune-prefill.json: 44 candidates,
-        # packed and unpacked, page prefetch on and off, one loop or three) found no variant
-        # faster than the three-loop, unpacked, no-prefetch schedule (305 TFLOP/s at 64 x 64 on
-        # 4 warps, 2 stages; the best new one, packed 128 x 128 on 8 warps, 304): that stays
-        # the default. The other head dims keep their earlier (unswept) tiles. The new-keys
-        # path (H200, 2026-11-22, 4 x 2048, 32/8 heads, docs/bench/h200-prefill-new-keys.txt): these
-        # tiles with a 3-deep pipeline over TMA-read keys, 408 TFLOP/s; GQA packing 414, one
-        # loop 302, pointers instead of TMA 359, 128-row tiles 334-354.
+        # NOTE: the three-loop, unpacked, no-prefetch schedule: no swept variant (packed or not,
+        # page prefetch, one loop) beat it at D=128 (docs/performance.md); other head dims
+        # keep unswept tiles.
         pack = False
         if head_dim <= 64:
             tiles = dict(block_m=128, block_n=64, num_warps=4, num_stages=3)
@@ -150,7 +146,7 @@ def interpreter_needs_upcast(dtype: torch.dtype) -> bool:
     so under ``TRITON_INTERPRET=1`` bf16 dots run on fp32 copies (exact products of bf16 values,
     which the GPU's bf16 MMA also computes with fp32 accumulation).
     """
-    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+    return dtype == torch.bfloat16 and envs.TRITON_INTERPRET
 
 
 @triton.jit
@@ -221,7 +217,8 @@ def attend_paged_keys(
         if KEYS == PAGED:
             if not PREFETCH:
                 if MASKED:
-                    page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=kv_mask, other=0)
+                    page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn, mask=kv_mask,
+                                   other=0)
                 else:
                     page = tl.load(bt_row + (offs_n // BLOCK_SIZE) * stride_btn)
                 page = page.to(tl.int64)
@@ -519,7 +516,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
         if t.data_ptr() % 16 or (t.stride(0) * t.element_size()) % 16:
             return False
     t = tensors[0]
-    if t.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if t.is_cuda and not envs.TRITON_INTERPRET:
         return torch.cuda.get_device_capability(t.device)[0] >= 9
     return True
 

@@ -1,9 +1,9 @@
 """Input checks shared by the Triton kernel wrappers (clear errors instead of bad launches)."""
 from __future__ import annotations
 
-import os
-
 import torch
+
+from tgraph import envs
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -32,7 +32,7 @@ def check_device(op: str, tensors: dict[str, torch.Tensor]) -> None:
         where = ", ".join(f"{k}: {t.device}" for k, t in tensors.items())
         raise ValueError(f"{op}: all tensors must be on one device, got {where}")
     device = devices.pop()
-    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    interpreted = device.type == "cpu" and envs.TRITON_INTERPRET
     if device.type != "cuda" and not interpreted:
         raise ValueError(
             f"{op}: Triton kernels need CUDA tensors, got {device} "

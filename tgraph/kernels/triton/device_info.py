@@ -12,7 +12,7 @@ __all__ = ["DEFAULT_SM_COUNT", "sm_count"]
 DEFAULT_SM_COUNT = 132
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -6,10 +6,10 @@ must contribute zeros to the all-reduce (after the caller subtracts the shard's 
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
+
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
@@ -25,7 +25,8 @@ _MAX_BLOCK_H = 4096
 _TARGET_TILE = 2048
 
 
-def _check_tensor(op: str, name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> None:
+def _check_tensor(op: str, name: str, t: object, ndim: int,
+                  dtypes: tuple[torch.dtype, ...]) -> None:
     # Token ids may have any stride; 2-D tables need a unit-stride last dim.
     check_tensor(op, name, t, ndim, dtypes, contiguous_last=ndim > 1)
 
@@ -59,7 +60,7 @@ def _embedding_kernel(
     tl.store(out_ptrs, vals.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok)
 
 
-def _config(h: int) -> tuple[int, int, int]:
+def launch_config(h: int) -> tuple[int, int, int]:
     """Pick ``(ROWS, BLOCK_H, num_warps)`` from the hidden size alone (never from T)."""
     block_h = min(triton.next_power_of_2(h), _MAX_BLOCK_H)
     rows = max(1, min(16, _TARGET_TILE // block_h))
@@ -90,12 +91,13 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor, out: torch.Tensor) -> Non
     t, (v, h) = ids.shape[0], weight.shape
     if tuple(out.shape) != (t, h):
         raise ValueError(
-            f"{op}: out: expected shape {(t, h)} ([len(ids), weight.shape[1]]), got {tuple(out.shape)}"
+            f"{op}: out: expected shape {(t, h)} ([len(ids), weight.shape[1]]), "
+            f"got {tuple(out.shape)}"
         )
     _check_device(op, {"ids": ids, "weight": weight, "out": out})
     if t == 0 or h == 0:
         return
-    rows, block_h, num_warps = _config(h)
+    rows, block_h, num_warps = launch_config(h)
     grid = (triton.cdiv(t, rows), triton.cdiv(h, block_h))
     _embedding_kernel[grid](
         ids, weight, out, t, v, h, ids.stride(0), weight.stride(0), out.stride(0),

@@ -44,7 +44,8 @@ def _mac(acc, w, xv, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, SWAP_AB: tl.c
     elif SWAP_AB:
         # acc is [BLOCK_N, BLOCK_M]: the weight tile on the MMA's M side.
         if F32_DOT:
-            return tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), acc, input_precision="ieee")
+            return tl.dot(w.to(tl.float32), tl.trans(xv.to(tl.float32)), acc,
+                          input_precision="ieee")
         return tl.dot(w, tl.trans(xv.to(w.dtype)), acc)
     elif F32_DOT:
         # Full-precision fp32 products (not TF32); see _use_f32_dot.
@@ -94,7 +95,7 @@ def _k_step(acc, acc_u, sq, w, w_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
 
 
 @triton.jit
-def _small_m_linear_kernel(
+def small_m_linear_kernel(
     x_ptr, w_ptr, w_desc, g_ptr, bias_ptr, res_ptr, out_ptr, ws_ptr, count_ptr,
     M, N, K, k_per_split, gate_rows, eps,
     stride_xm, stride_wn, stride_rm, stride_om,
@@ -202,7 +203,7 @@ def _fixup_tile(ws_ptr, count_ptr, bias_ptr, res_ptr, out_ptr, M, N, K, gate_row
                 NORM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Split-K without a second launch: after its partial is stored, a split takes a ticket from
     its output tile's arrival counter; the split that arrives last sums the tile's partials in
-    split order (the order, and so the bits, of :func:`_split_k_reduce_kernel`), applies
+    split order (the order, and so the bits, of :func:`split_k_reduce_kernel`), applies
     ``1 / rms`` from the splits' sums of squares (``NORM``) and the epilogue, writes ``out`` and
     puts the counter back to 0 for the next launch."""
     splits = tl.num_programs(1)
@@ -243,7 +244,8 @@ def _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_mn, ga
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
         if GATED:
-            acc_u += tl.load(bias_ptr + gate_rows + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+            acc_u += tl.load(bias_ptr + gate_rows + offs_n, mask=mask_n,
+                             other=0.0).to(tl.float32)[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_u
     if HAS_RES:
@@ -253,7 +255,7 @@ def _epilogue(acc, acc_u, bias_ptr, res_ptr, offs_m, offs_n, mask_n, mask_mn, ga
 
 
 @triton.jit
-def _split_k_reduce_kernel(
+def split_k_reduce_kernel(
     ws_ptr, bias_ptr, res_ptr, out_ptr,
     M, N, K, split_k, gate_rows, eps,
     stride_rm, stride_om,

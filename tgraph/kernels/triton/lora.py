@@ -42,8 +42,8 @@ rank chunk ``c`` of token ``t``'s shrink over the whole of K with CUDA-core FMAs
 multiplies by is known before the PDL wait (the token's slot is a step input, A is adapter
 weight), so its A chunk streams in while the kernel before drains; after the wait it reads one row
 of ``x`` (in L2), reduces, and writes. The slot-tile kernel's split-K reduction costs several
-dependent L2 round trips after the wait (partials, ticket, sum), ~7.7 us per launch in a
-Llama-3.2-1B batch-16 step on an H100 (2026-11-25, ``tgraph bench lora --profile``).
+dependent L2 round trips after the wait (partials, ticket, sum): several microseconds per
+launch at decode (docs/performance.md).
 
 Tokens whose slot is outside ``[0, L)`` belong to no tile: their rows of ``xcat`` are left
 unwritten (checking the values would need a host sync). Callers pass valid slots.
@@ -55,32 +55,23 @@ workspace, the counters and ``scaling`` are touched after the wait.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from tgraph import envs
+from tgraph.ir.ops.lora import LORA_COUNTER_SLOTS as LORA_COUNTERS
 from tgraph.kernels.triton.device_info import sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
+from tgraph.tuning import LoraTuning
 
 __all__ = ["LORA_COUNTERS", "PROLOGUES", "lora_concat_splits", "lora_prologue_concat",
            "lora_segments", "lora_shrink_concat", "new_lora_counters", "prologue_fits",
            "rows_overlap"]
 
+_DEFAULT_TUNING = LoraTuning()
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _SLOT_DTYPES = (torch.int32, torch.int64)
-# Arrival counters a feature allocates, one per tile of a split launch. The heuristic splits K
-# only for grids of fewer tiles than 2 programs per SM (264 on an H100), far below this.
-LORA_COUNTERS = 1024
-# Split-K aims at this many programs per SM: a few resident programs per SM keep enough loads in
-# flight to cover HBM latency.
-_PROGRAMS_PER_SM = 2
-_MAX_SPLITS = 32
-# K blocks per split, at least: measured on an H100 at decode (16 tokens, 5 slots, bf16), two
-# 128-wide blocks per split ran 10-35% faster than one (K 2048, ranks 16..48): the loads of a
-# program overlap, and the last program of a tile sums half as many partials.
-_MIN_BLOCKS_PER_SPLIT = 2
 # Bound on the partials the last program of a tile sums (splits * BLOCK_T * BLOCK_R fp32
 # elements, 64 KB): that sum is the serial tail of the launch.
 _MAX_PARTIALS = 16384
@@ -89,9 +80,6 @@ _MAX_PARTIALS = 16384
 _SPLIT_LOAD_ELEMS = 8192
 # Width of the column chunks of zeros written beside the slot block.
 _BLOCK_C = 64
-# Up to this many tokens the per-token kernel runs (decode batches); module constants so that a
-# benchmark can compare the two kernels in whole decode steps.
-_ROWS_MAX_TOKENS = 64
 # A chunk of the per-token kernel: BLOCK_R x BLOCK_K elements of A, held in registers.
 _ROWS_CHUNK_ELEMS = 8192
 
@@ -134,7 +122,8 @@ def _write_lora_columns(lora_rows, mask_t, vals, slot, R, lead, width,
     offs_r = tl.arange(0, BLOCK_R)
     # A bound, not a scalar & block mask (the interpreter rejects those); slot 0 writes nothing.
     mask_r = offs_r < own_hi - own_lo
-    tl.store(lora_rows + own_lo + offs_r[None, :], vals.to(dtype), mask=mask_t[:, None] & mask_r[None, :])
+    tl.store(lora_rows + own_lo + offs_r[None, :], vals.to(dtype),
+             mask=mask_t[:, None] & mask_r[None, :])
 
 
 @triton.jit
@@ -180,7 +169,8 @@ def _shrink_concat_kernel(
     # No A rows for slot 0 or no tile (a bound: see _write_lora_columns).
     mask_a = offs_r < tl.where(adapted, R, 0)
     offs_k = k_start + tl.arange(0, BLOCK_K)
-    av = tl.load(a_rows + offs_k[None, :], mask=mask_a[:, None] & (offs_k < k_end)[None, :], other=0.0)
+    av = tl.load(a_rows + offs_k[None, :], mask=mask_a[:, None] & (offs_k < k_end)[None, :],
+                 other=0.0)
     pdl_wait(PDL)
     if slot < L:
         x_rows = x_ptr + tok[:, None] * stride_xt
@@ -195,7 +185,8 @@ def _shrink_concat_kernel(
             tl.store(out_rows + offs_k[None, :], xv.to(out_ptr.dtype.element_ty), mask=mask_tk)
             # Slot 0 multiplies zeros (its A mask is empty): no loads, and no branch in the loop.
             if F32_DOT:
-                acc += tl.dot(xv.to(tl.float32), tl.trans(av.to(tl.float32)), input_precision="ieee")
+                acc += tl.dot(xv.to(tl.float32), tl.trans(av.to(tl.float32)),
+                              input_precision="ieee")
             else:
                 acc += tl.dot(xv, tl.trans(av))
             # Next A tile (one ahead: the first came before the wait).
@@ -206,7 +197,8 @@ def _shrink_concat_kernel(
         if slot == 0:
             # No adapter: zeros in every LoRA column, written once per tile.
             if pid_s == 0:
-                _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width, BLOCK_T, BLOCK_R, BLOCK_C)
+                _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width,
+                                    BLOCK_T, BLOCK_R, BLOCK_C)
         elif SPLIT:
             part_tile = part_ptr + pid.to(tl.int64) * splits * (BLOCK_T * BLOCK_R)
             part_offs = tl.arange(0, BLOCK_T)[:, None] * BLOCK_R + offs_r[None, :]
@@ -217,14 +209,17 @@ def _shrink_concat_kernel(
             tl.debug_barrier()
             ticket = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
             if ticket == splits - 1:
-                total = _sum_partials(part_tile, mask_t, mask_r, splits, BLOCK_T, BLOCK_R, SPLIT_BLOCK)
+                total = _sum_partials(part_tile, mask_t, mask_r, splits,
+                                      BLOCK_T, BLOCK_R, SPLIT_BLOCK)
                 total *= tl.load(scale_ptr + slot).to(tl.float32)
-                _write_lora_columns(lora_rows, mask_t, total, slot, R, lead, width, BLOCK_T, BLOCK_R, BLOCK_C)
+                _write_lora_columns(lora_rows, mask_t, total, slot, R, lead, width,
+                                    BLOCK_T, BLOCK_R, BLOCK_C)
                 # Self-cleaning: the next launch (or graph replay) finds the counter at zero.
                 tl.store(count_ptr + pid, 0)
         else:
             acc *= tl.load(scale_ptr + slot).to(tl.float32)
-            _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width, BLOCK_T, BLOCK_R, BLOCK_C)
+            _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width,
+                                BLOCK_T, BLOCK_R, BLOCK_C)
 
 
 # What the per-token kernel computes x from (its PROLOGUE constexpr).
@@ -278,7 +273,8 @@ def _shrink_rows_kernel(
     offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
     # No A rows for slot 0 (a bound: the interpreter cannot broadcast a scalar-bool mask).
     mask_a = offs_r < tl.where(adapted, R, 0)
-    a_rows = a_ptr + tl.where(adapted, slot, 0).to(tl.int64) * stride_al + offs_r[:, None] * stride_ar
+    a_rows = (a_ptr + tl.where(adapted, slot, 0).to(tl.int64) * stride_al
+              + offs_r[:, None] * stride_ar)
     offs_k = tl.arange(0, BLOCK_K)
     av = tl.load(a_rows + offs_k[None, :], mask=mask_a[:, None] & (offs_k < K)[None, :], other=0.0)
     pdl_wait(PDL)
@@ -298,7 +294,8 @@ def _shrink_rows_kernel(
             tl.store(out_row + offs_k, xv, mask=keep)
             acc += av.to(tl.float32) * xv.to(tl.float32)[None, :]
             nxt = offs_k + BLOCK_K
-            av = tl.load(a_rows + nxt[None, :], mask=mask_a[:, None] & (nxt < K)[None, :], other=0.0)
+            av = tl.load(a_rows + nxt[None, :], mask=mask_a[:, None] & (nxt < K)[None, :],
+                         other=0.0)
         vals = tl.sum(acc, axis=1) * scale
         # Rank chunk c of slot blocks 1..L-1: this token's values in its own block, else zeros.
         blocks = tl.arange(0, BLOCK_L) + 1
@@ -324,9 +321,9 @@ def lora_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tens
         num_slots: ``L``, the number of stacked adapter slots (slot 0 included).
 
     Returns:
-        ``(order, seg_start)``: ``order`` int64 ``[T]`` lists token indices sorted by slot (stable);
-        the tokens of slot ``s`` are ``order[seg_start[s]:seg_start[s + 1]]``; ``seg_start`` is int32
-        ``[L + 1]``.
+        ``(order, seg_start)``: ``order`` int64 ``[T]`` lists token indices sorted by slot
+        (stable); the tokens of slot ``s`` are ``order[seg_start[s]:seg_start[s + 1]]``;
+        ``seg_start`` is int32 ``[L + 1]``.
     """
     if not isinstance(token_slots, torch.Tensor) or token_slots.dim() != 1:
         raise ValueError(f"lora_segments: token_slots must be a 1-D tensor, got "
@@ -347,8 +344,9 @@ def new_lora_counters(device: torch.device | str) -> torch.Tensor:
     return torch.zeros(LORA_COUNTERS, dtype=torch.int32, device=device)
 
 
-# ---- argument checks -----------------------------------------------------------------------------
-def _check_tensor(fn: str, name: str, t: torch.Tensor, dims: int, device: torch.device | None) -> None:
+# ---- argument checks ----------------------------------------------------------------------------
+def _check_tensor(fn: str, name: str, t: torch.Tensor, dims: int,
+                  device: torch.device | None) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != dims:
@@ -371,11 +369,12 @@ def _check_slots(token_slots: torch.Tensor, T: int, device: torch.device) -> Non
         raise ValueError(f"token_slots is on {token_slots.device}, expected {device}")
 
 
-def _check_segments(segments: tuple[torch.Tensor, torch.Tensor], T: int, L: int, device: torch.device) -> None:
+def _check_segments(segments: tuple[torch.Tensor, torch.Tensor], T: int, L: int,
+                    device: torch.device) -> None:
     order, seg_start = segments
     if tuple(order.shape) != (T,) or tuple(seg_start.shape) != (L + 1,):
-        raise ValueError(f"segments must be (order [{T}], seg_start [{L + 1}]) from lora_segments, got "
-                         f"({list(order.shape)}, {list(seg_start.shape)})")
+        raise ValueError(f"segments must be (order [{T}], seg_start [{L + 1}]) from lora_segments, "
+                         f"got ({list(order.shape)}, {list(seg_start.shape)})")
     if order.device != device or seg_start.device != device:
         raise ValueError(f"segments must be on {device}")
 
@@ -385,12 +384,13 @@ def _check_scaling(fn: str, scaling: torch.Tensor, L: int, device: torch.device)
         raise TypeError(f"{fn}: scaling must be a float32 tensor [{L}], got "
                         f"{getattr(scaling, 'dtype', type(scaling).__name__)}")
     if tuple(scaling.shape) != (L,) or scaling.device != device:
-        raise ValueError(f"{fn}: scaling must have shape [{L}] on {device}, got {list(scaling.shape)} "
-                         f"on {scaling.device}")
+        raise ValueError(f"{fn}: scaling must have shape [{L}] on {device}, "
+                         f"got {list(scaling.shape)} on {scaling.device}")
 
 
 def _check_counters(fn: str, counters: torch.Tensor, device: torch.device) -> None:
-    if not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32 or counters.dim() != 1:
+    if (not isinstance(counters, torch.Tensor) or counters.dtype != torch.int32
+            or counters.dim() != 1):
         raise TypeError(f"{fn}: counters must be a 1-D int32 tensor (new_lora_counters), got "
                         f"{getattr(counters, 'dtype', type(counters).__name__)}"
                         f"{list(getattr(counters, 'shape', []))}")
@@ -407,7 +407,7 @@ def _use_f32_dot(dtype: torch.dtype) -> bool:
     uint16 bits of bf16 operands in ``tl.dot``; upcasting there matches a bf16 MMA with fp32
     accumulation (bf16 products are exact in fp32).
     """
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and envs.TRITON_INTERPRET)
 
 
 def _block_t(T: int) -> int:
@@ -436,7 +436,8 @@ def _split_block(splits: int, block_t: int, block_r: int) -> int:
 
 
 def lora_concat_splits(num_tokens: int, in_features: int, rank: int, num_slots: int,
-                       device: torch.device | str | None = None, max_tiles: int = LORA_COUNTERS) -> int:
+                       device: torch.device | str | None = None, max_tiles: int = LORA_COUNTERS,
+                       tuning: LoraTuning = _DEFAULT_TUNING) -> int:
     """How many K chunks :func:`lora_shrink_concat` of these shapes runs.
 
     Depends on shapes and the SM count only (132 when ``device`` is not CUDA), so a captured
@@ -454,6 +455,7 @@ def lora_concat_splits(num_tokens: int, in_features: int, rank: int, num_slots: 
         num_slots: ``L``, stacked slots (slot 0 included).
         device: where the kernel runs.
         max_tiles: the arrival counters available.
+        tuning: the launch settings (programs per SM, split bounds).
 
     Returns:
         ``splits >= 1`` (1 when there is nothing to split).
@@ -470,8 +472,8 @@ def lora_concat_splits(num_tokens: int, in_features: int, rank: int, num_slots: 
         return 1
     k_blocks = triton.cdiv(in_features, _block_k(num_tokens, in_features))
     partial_cap = max(1, _MAX_PARTIALS // (block_t * _block_r(rank)))
-    want = min(triton.cdiv(_PROGRAMS_PER_SM * sm_count(device), tiles),
-               max(1, k_blocks // _MIN_BLOCKS_PER_SPLIT), _MAX_SPLITS, partial_cap)
+    want = min(triton.cdiv(tuning.programs_per_sm * sm_count(device), tiles),
+               max(1, k_blocks // tuning.min_blocks_per_split), tuning.max_splits, partial_cap)
     # Even distribution: no split gets a short or empty range of K blocks.
     per_split = triton.cdiv(k_blocks, want)
     return triton.cdiv(k_blocks, per_split)
@@ -491,6 +493,7 @@ def lora_shrink_concat(
     splits: int | None = None,
     config: tuple[int, int] | None = None,
     rows: bool | None = None,
+    tuning: LoraTuning = _DEFAULT_TUNING,
 ) -> torch.Tensor:
     """``out = [x | xa]``: ``x`` copied, then every token's scaled shrink in its slot's block.
 
@@ -511,6 +514,7 @@ def lora_shrink_concat(
         splits: force the number of K chunks (>= 1; more than the counters allow is refused);
             default :func:`lora_concat_splits`.
         config: ``(BLOCK_K, num_warps)`` instead of the heuristic (for tuning).
+        tuning: the launch settings (which kernel runs, split-K bounds).
         rows: run the per-token kernel (True) or the slot-tile kernel (False); default: per
             token for up to 64 tokens unless ``splits`` or ``config`` is given (both are
             slot-tile options). ``segments`` and ``counters`` are unused by the per-token kernel.
@@ -525,7 +529,8 @@ def lora_shrink_concat(
     _check_tensor(fn, "lora_a", lora_a, 3, device)
     L, R, K_a = lora_a.shape
     if K_a != K:
-        raise ValueError(f"{fn}: lora_a must be [L, R, {K}] to match x {list(x.shape)}, got {list(lora_a.shape)}")
+        raise ValueError(f"{fn}: lora_a must be [L, R, {K}] to match x {list(x.shape)}, "
+                         f"got {list(lora_a.shape)}")
     if lora_a.dtype != x.dtype:
         raise TypeError(f"{fn}: lora_a dtype {lora_a.dtype} must match x dtype {x.dtype}")
     _check_tensor(fn, "out", out, 2, device)
@@ -547,7 +552,7 @@ def lora_shrink_concat(
     if segments is not None:
         _check_segments(segments, T, L, device)
     if rows is None:
-        rows = T <= _ROWS_MAX_TOKENS and splits is None and config is None
+        rows = T <= tuning.rows_max_tokens and splits is None and config is None
     elif rows and (splits is not None or config is not None):
         raise ValueError(f"{fn}: splits and config are options of the slot-tile kernel; the "
                          "per-token kernel (rows=True) takes neither")
@@ -561,14 +566,15 @@ def lora_shrink_concat(
     block_k, num_warps = config or (_block_k(T, K), _num_warps(block_t, block_r))
     tiles = _tile_grid(T, L, block_t)
     if splits is None:
-        splits = lora_concat_splits(T, K, R, L, device, counters.numel())
+        splits = lora_concat_splits(T, K, R, L, device, counters.numel(), tuning)
     elif splits > 1 and tiles > counters.numel():
         raise ValueError(f"{fn}: {splits} splits need one counter per tile ({tiles}), got "
                          f"{counters.numel()} counters")
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
     partials = out
     if splits > 1:
-        partials = torch.empty(tiles * splits * block_t * block_r, dtype=torch.float32, device=device)
+        partials = torch.empty(tiles * splits * block_t * block_r, dtype=torch.float32,
+                               device=device)
     _shrink_concat_kernel[(tiles, splits)](
         x, lora_a, scaling, order, seg_start, out, partials, counters,
         K, R, L, lead, out.shape[1] - K, k_per_split, splits,
@@ -585,12 +591,14 @@ def lora_shrink_concat(
 PROLOGUES = {"rms_norm": PROLOGUE_RMS_NORM, "add_rms_norm": PROLOGUE_ADD_RMS_NORM}
 
 
-def prologue_fits(prologue: str, num_tokens: int, in_features: int) -> bool:
-    """Whether :func:`lora_prologue_concat` takes these sizes: a decode batch (at most 64
-    tokens) of rows that one program holds whole (``in_features <= 8192``)."""
+def prologue_fits(prologue: str, num_tokens: int, in_features: int,
+                  tuning: LoraTuning = _DEFAULT_TUNING) -> bool:
+    """Whether :func:`lora_prologue_concat` takes these sizes: a decode batch (at most
+    ``tuning.rows_max_tokens`` tokens) of rows that one program holds whole
+    (``in_features <= 8192``)."""
     if prologue not in PROLOGUES:
         raise ValueError(f"unknown prologue {prologue!r}; expected one of {sorted(PROLOGUES)}")
-    return num_tokens <= _ROWS_MAX_TOKENS and in_features <= _ROWS_CHUNK_ELEMS
+    return num_tokens <= tuning.rows_max_tokens and in_features <= _ROWS_CHUNK_ELEMS
 
 
 def rows_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -615,6 +623,7 @@ def lora_prologue_concat(
     norm_weight: torch.Tensor | None = None,
     summed: torch.Tensor | None = None,
     eps: float | None = None,
+    tuning: LoraTuning = _DEFAULT_TUNING,
 ) -> torch.Tensor:
     """``out = [p(x) | xa]`` in one launch: the producer ``p`` of a LoRA linear's input and
     :func:`lora_shrink_concat` of its result (decode batches; see :func:`prologue_fits`).
@@ -632,13 +641,15 @@ def lora_prologue_concat(
         summed: ``[T, K]`` output of the sum (add_rms_norm); must not overlap ``x`` or
             ``residual`` (every program reads the whole rows while others write their slices).
         eps: the RMSNorm epsilon.
+        tuning: the launch settings (the most tokens the kernel takes).
 
     Returns:
         ``out``.
     """
     fn = "lora_prologue_concat"
     if prologue not in PROLOGUES:
-        raise ValueError(f"{fn}: unknown prologue {prologue!r}; expected one of {sorted(PROLOGUES)}")
+        raise ValueError(f"{fn}: unknown prologue {prologue!r}; "
+                         f"expected one of {sorted(PROLOGUES)}")
     _check_tensor(fn, "x", x, 2, None)
     device = x.device
     _check_tensor(fn, "lora_a", lora_a, 3, device)
@@ -656,9 +667,9 @@ def lora_prologue_concat(
                          f"{list(out.shape)}")
     _check_scaling(fn, scaling, L, device)
     _check_slots(token_slots, T, device)
-    if not prologue_fits(prologue, T, K):
+    if not prologue_fits(prologue, T, K, tuning):
         raise ValueError(f"{fn}: {T} tokens of {K} features is not a decode batch this kernel "
-                         f"takes (at most {_ROWS_MAX_TOKENS} tokens of at most "
+                         f"takes (at most {tuning.rows_max_tokens} tokens of at most "
                          f"{_ROWS_CHUNK_ELEMS} features); use the producer and lora_shrink_concat")
     _check_tensor(fn, "norm_weight", norm_weight, 1, device)
     if tuple(norm_weight.shape) != (K,) or norm_weight.dtype != x.dtype:

@@ -11,10 +11,10 @@ chunked loop that reads the row twice.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
+
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor as _check_tensor
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
@@ -111,7 +111,7 @@ def _rms_norm_kernel(
             tl.store(out_rows + c, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _config(n: int) -> tuple[int, int, int, bool]:
+def launch_config(n: int) -> tuple[int, int, int, bool]:
     """Pick ``(ROWS, BLOCK_N, num_warps, single_pass)`` from the row length alone.
 
     Never from the row count, so one compiled kernel serves every number of tokens.
@@ -136,10 +136,12 @@ def _check_rows(op: str, x: torch.Tensor, weight: torch.Tensor, **rows: torch.Te
     for name, t in rows.items():
         _check_tensor(op, name, t, 2)
         if t.shape != x.shape:
-            raise ValueError(f"{op}: {name}: expected shape {tuple(x.shape)} (as x), got {tuple(t.shape)}")
+            raise ValueError(f"{op}: {name}: expected shape {tuple(x.shape)} (as x), "
+                             f"got {tuple(t.shape)}")
     if weight.shape[0] != x.shape[1]:
         raise ValueError(
-            f"{op}: weight: expected shape ({x.shape[1]},) to match x's last dim, got {tuple(weight.shape)}"
+            f"{op}: weight: expected shape ({x.shape[1]},) to match x's last dim, "
+            f"got {tuple(weight.shape)}"
         )
     _check_device(op, {"x": x, "weight": weight, **rows})
 
@@ -148,7 +150,7 @@ def _launch(x, residual, weight, eps, out, residual_out, has_residual: bool) -> 
     m, n = x.shape
     if m == 0 or n == 0:
         return
-    rows, block_n, num_warps, single_pass = _config(n)
+    rows, block_n, num_warps, single_pass = launch_config(n)
     grid = (triton.cdiv(m, rows),)
     _rms_norm_kernel[grid](
         x, residual, weight, out, residual_out,

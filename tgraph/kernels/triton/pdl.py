@@ -27,16 +27,17 @@ Triton builds without ``launch_pdl``.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from tgraph import envs
+
 __all__ = ["pdl_kwargs", "pdl_enabled", "pdl_wait"]
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _triton_supports_pdl() -> bool:
     try:
         from triton.backends.nvidia.compiler import CUDAOptions
@@ -46,16 +47,16 @@ def _triton_supports_pdl() -> bool:
     return "launch_pdl" in fields and hasattr(tl.extra.cuda, "gdc_wait")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_supports_pdl(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_enabled(t: torch.Tensor) -> bool:
     """Whether kernels working on ``t`` are launched with PDL."""
-    if not t.is_cuda or os.environ.get("TGRAPH_PDL", "1") == "0":
+    if not t.is_cuda or not envs.TGRAPH_PDL:
         return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if envs.TRITON_INTERPRET:
         return False
     return _triton_supports_pdl() and _device_supports_pdl(t.device.index or 0)
 

@@ -17,27 +17,22 @@ is launched and the results are the same.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from tgraph import envs
+from tgraph.tuning import PrefetchTuning
 
 __all__ = ["prefetch_l2", "prefetch_ahead", "select_ahead", "prefetch_supported", "CHUNK_BYTES",
-           "CHUNKS_PER_PROGRAM", "MAX_ROWS"]
+           "CHUNKS_PER_PROGRAM"]
 
 # Bytes per prefetch instruction and instructions per program (one per thread of one warp).
 # Many programs spread the requests over many SMs' copy engines.
 CHUNK_BYTES = 16384
 CHUNKS_PER_PROGRAM = 32
 _MAX_WEIGHTS = 4
-# prefetch_ahead works for steps of at most this many rows (tokens). NOTE: same-process A/Bs on an
-# H100 (2026-11-25, ms per replay, without / with 20-30 MB prefetched after q/k/v): Qwen2.5-0.5B
-# batch 1 0.616-0.624 / 0.603-0.608, Llama-3.2-1B batch 1 1.020-1.027 / 0.990-0.998, Llama-3-8B
-# batch 1 5.35 / 5.27; Llama-3.2-1B batch 16 1.28 / 1.33 (its linears already stream near the
-# copy bandwidth, so the prefetch only competes with them and the attention's K/V reads).
-MAX_ROWS = 1
 _ALIGN = 16  # the instruction wants 16-byte aligned addresses and sizes
 
 
@@ -68,14 +63,14 @@ def _prefetch_kernel(w0, n0, w1, n1, w2, n2, w3, n3, programs0, programs1, progr
         _prefetch_range(w3, n3, (pid - programs2) * BLOCK, CHUNK, BLOCK)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _device_supports(index: int) -> bool:
     return torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def prefetch_supported(t: torch.Tensor) -> bool:
     """Whether :func:`prefetch_l2` launches anything for tensors on ``t``'s device."""
-    if not t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1":
+    if not t.is_cuda or envs.TRITON_INTERPRET:
         return False
     return _device_supports(t.device.index or 0)
 
@@ -100,7 +95,8 @@ def prefetch_l2(*weights: torch.Tensor) -> int:
     if not weights:
         return 0
     if len(weights) > _MAX_WEIGHTS:
-        raise ValueError(f"prefetch_l2: at most {_MAX_WEIGHTS} weights per launch, got {len(weights)}")
+        raise ValueError(f"prefetch_l2: at most {_MAX_WEIGHTS} weights per launch, "
+                         f"got {len(weights)}")
     device = weights[0].device
     if any(w.device != device for w in weights):
         raise ValueError("prefetch_l2: all weights must be on one device, got "
@@ -126,7 +122,7 @@ def prefetch_l2(*weights: torch.Tensor) -> int:
     return total
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _l2_bytes(index: int) -> int:
     return int(getattr(torch.cuda.get_device_properties(index), "L2_cache_size", 0))
 
@@ -159,13 +155,14 @@ def select_ahead(x: torch.Tensor, weights: tuple[torch.Tensor, ...], halves: tup
 
 
 def prefetch_ahead(x: torch.Tensor, weights: tuple[torch.Tensor, ...], halves: tuple[int, ...],
-                   fraction: float) -> int:
-    """Prefetch ``weights`` (see :func:`select_ahead`) up to ``fraction`` of L2, on the side
-    stream of ``x``'s device (:mod:`tgraph.kernels.side_streams`), when ``x`` has at most
-    :data:`MAX_ROWS` rows; returns the bytes asked for (0 when nothing is launched)."""
-    if x.dim() == 0 or x.shape[0] > MAX_ROWS or not prefetch_supported(x):
+                   tuning: PrefetchTuning) -> int:
+    """Prefetch ``weights`` (see :func:`select_ahead`) up to ``tuning.l2_fraction`` of L2, on the
+    side stream of ``x``'s device (:mod:`tgraph.kernels.side_streams`), when ``x`` has at most
+    ``tuning.max_rows`` rows; returns the bytes asked for (0 when nothing is launched)."""
+    if x.dim() == 0 or x.shape[0] > tuning.max_rows or not prefetch_supported(x):
         return 0
-    parts = select_ahead(x, weights, halves, int(fraction * _l2_bytes(x.device.index or 0)))
+    budget = int(tuning.l2_fraction * _l2_bytes(x.device.index or 0))
+    parts = select_ahead(x, weights, halves, budget)
     if not parts:
         return 0
     from tgraph.kernels.side_streams import forked

@@ -6,8 +6,8 @@ Layouts:
   strides are free, so views into a packed qkv projection work without a copy.
 - ``cos``/``sin [T, R/2]`` fp32, already gathered per token by position; ``R <= D`` dims rotate,
   dims ``[R, D)`` pass through unchanged (partial rotary, e.g. GPT-NeoX / Phi).
-- Paged cache ``[num_blocks, block_size, Hk, D]``; token ``t`` goes to flat slot ``slots_mapping[t]``
-  (block ``slot // block_size``, offset ``slot % block_size``). Slots outside
+- Paged cache ``[num_blocks, block_size, Hk, D]``; token ``t`` goes to flat slot
+  ``slots_mapping[t]`` (block ``slot // block_size``, offset ``slot % block_size``). Slots outside
   ``[0, num_blocks * block_size)`` - negative ones mark padding - are not written.
 
 Pairs: half-rotation (HF ``rotate_half``, GPT-NeoX, Llama) rotates ``(i, i + R/2)``; interleaved
@@ -26,10 +26,10 @@ into the cache, so q, k and the cache write are a single launch.
 """
 from __future__ import annotations
 
-
 import torch
 import triton
 import triton.language as tl
+
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor as _check_tensor
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
@@ -227,13 +227,12 @@ def _rope_cache_kernel(
             )  # fmt: skip
 
 
-def _config(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[int, int, int]:
+def launch_config(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[int, int, int]:
     """Pick ``(BLOCK_HQ, BLOCK_HK, num_warps)`` from head counts and size (never from T)."""
     max_heads = max(1, _TARGET_TILE // triton.next_power_of_2(head_dim))
     block_hq = min(triton.next_power_of_2(max(n_q_heads, 1)), max_heads)
     block_hk = min(triton.next_power_of_2(max(n_kv_heads, 1)), max(1, max_heads // 2))
-    # 2 warps: more small programs resident per SM kept more bytes in flight (H200 sweep,
-    # tgraph.bench.tune_attention: 72% -> 80% of copy bandwidth at 4096 tokens, 32/8 heads).
+    # 2 warps: more small programs resident per SM keep more bytes in flight (a sweep's best).
     return block_hq, block_hk, 2
 
 
@@ -253,7 +252,8 @@ def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _check_shape(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], why: str) -> None:
     if tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{op}: {name}: expected shape {tuple(shape)} ({why}), got {tuple(t.shape)}")
+        raise ValueError(f"{op}: {name}: expected shape {tuple(shape)} ({why}), "
+                         f"got {tuple(t.shape)}")
 
 
 
@@ -274,7 +274,8 @@ def _check_qk(op: str, q, k, cos, sin, q_out, k_out, interleaved) -> None:
     half = cos.shape[1]
     if cos.shape[0] != t or not 1 <= 2 * half <= d:
         raise ValueError(
-            f"{op}: cos: expected shape ({t}, R/2) with 2 <= R <= head_dim={d}, got {tuple(cos.shape)}"
+            f"{op}: cos: expected shape ({t}, R/2) with 2 <= R <= head_dim={d}, "
+            f"got {tuple(cos.shape)}"
         )
     _check_shape(op, "sin", sin, tuple(cos.shape), "as cos")
     if not isinstance(interleaved, bool):
@@ -295,14 +296,15 @@ def _check_cache(op: str, k, v, k_cache, v_cache, slots_mapping) -> None:
 
 
 def _launch(
-    q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots_mapping, interleaved, has_q, write_k_out, write_cache
+    q, k, v, cos, sin, q_out, k_out, k_cache, v_cache, slots_mapping, interleaved, has_q,
+    write_k_out, write_cache, config: tuple[int, int, int] | None = None,
 ) -> None:
     t, n_kv, d = k.shape
     n_q = q.shape[1] if has_q else 0
     if t == 0:
         return
     half = cos.shape[1] if cos is not None else 0
-    block_hq, block_hk, num_warps = _config(d, n_q, n_kv)
+    block_hq, block_hk, num_warps = config or launch_config(d, n_q, n_kv)
     n_q_blocks = triton.cdiv(n_q, block_hq)
     grid = (t, n_q_blocks + triton.cdiv(n_kv, block_hk))
     # Unused operands get a harmless stand-in (never dereferenced: their code is compiled out).
@@ -374,6 +376,7 @@ def rope_and_cache(
     q_out: torch.Tensor,
     k_out: torch.Tensor | None,
     interleaved: bool,
+    config: tuple[int, int, int] | None = None,
 ) -> None:
     """Rotary embedding of q and k plus the paged KV-cache write, in one launch.
 
@@ -391,6 +394,8 @@ def rope_and_cache(
         k_out: ``[T, Hk, D]`` rotated keys; may alias ``k``. ``None``: the rotated keys only
             go to the cache (what a model needs; saves a write of k).
         interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of ``(i, i + R/2)``.
+        config: ``(BLOCK_HQ, BLOCK_HK, num_warps)`` instead of :func:`launch_config`'s (for
+            tuning sweeps).
 
     Returns:
         None; writes ``q_out``, ``k_out`` (if given) and the cache rows at ``slots_mapping``.
@@ -400,10 +405,11 @@ def rope_and_cache(
     _check_cache(op, k, v, k_cache, v_cache, slots_mapping)
     _check_device(op, {
         "q": q, "k": k, "v": v, "cos": cos, "sin": sin, "k_cache": k_cache, "v_cache": v_cache,
-        "slots_mapping": slots_mapping, "q_out": q_out, **({"k_out": k_out} if k_out is not None else {}),
+        "slots_mapping": slots_mapping, "q_out": q_out,
+        **({"k_out": k_out} if k_out is not None else {}),
     })  # fmt: skip
-    _launch(q, k, v, cos, sin, q_out, k if k_out is None else k_out, k_cache, v_cache, slots_mapping,
-            interleaved, True, k_out is not None, True)
+    _launch(q, k, v, cos, sin, q_out, k if k_out is None else k_out, k_cache, v_cache,
+            slots_mapping, interleaved, True, k_out is not None, True, config)
 
 
 def reshape_and_cache(
@@ -429,5 +435,7 @@ def reshape_and_cache(
     op = "reshape_and_cache"
     _check_tensor(op, "k", k, 3)
     _check_cache(op, k, v, k_cache, v_cache, slots_mapping)
-    _check_device(op, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache, "slots_mapping": slots_mapping})
-    _launch(None, k, v, None, None, None, k, k_cache, v_cache, slots_mapping, False, False, False, True)
+    _check_device(op, {"k": k, "v": v, "k_cache": k_cache, "v_cache": v_cache,
+                       "slots_mapping": slots_mapping})
+    _launch(None, k, v, None, None, None, k, k_cache, v_cache, slots_mapping,
+            False, False, False, True)

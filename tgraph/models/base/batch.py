@@ -1,8 +1,8 @@
 """What the runner tells a model about one step's batch, and its conversion to engine inputs."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import numpy as np
 
@@ -12,7 +12,8 @@ class BatchMeta:
     """One step's batch, in plain lists (the scheduler's output maps onto it directly).
 
     Attributes:
-        input_ids, position_ids, slots_mapping: one entry per scheduled token (sequences packed in order).
+        input_ids, position_ids, slots_mapping: one entry per scheduled token (sequences packed
+            in order).
         query_lens: tokens scheduled per sequence this step (1 for a decoding sequence).
         seq_len: tokens of each sequence in the cache after this step.
         block_table: cache blocks of each sequence.
@@ -44,8 +45,9 @@ class BatchMeta:
     def validate(self) -> None:
         n = len(self.input_ids)
         if not (len(self.position_ids) == len(self.slots_mapping) == n):
-            raise ValueError(f"BatchMeta: input_ids ({n}), position_ids ({len(self.position_ids)}) and "
-                             f"slots_mapping ({len(self.slots_mapping)}) must have one entry per token")
+            raise ValueError(f"BatchMeta: input_ids ({n}), position_ids "
+                             f"({len(self.position_ids)}) and slots_mapping "
+                             f"({len(self.slots_mapping)}) must have one entry per token")
         if sum(self.query_lens) != n:
             raise ValueError(f"BatchMeta: query_lens sum to {sum(self.query_lens)}, but there are "
                              f"{n} tokens")

@@ -5,9 +5,9 @@ from typing import Any
 
 import torch
 
+from tgraph.io.weights import WeightLoader
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.llm_config import LlmConfig
-from tgraph.models.base.weight_loader import WeightLoader
 from tgraph.nn.module import Module
 from tgraph.nn.tensor import Tensor
 

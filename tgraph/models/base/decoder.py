@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import WeightLoader
 from tgraph.layers.attention import Attention, AttentionMetadata
 from tgraph.layers.embedding import ParallelEmbedding
 from tgraph.layers.mlp import Mlp
 from tgraph.layers.norm import RmsNorm
 from tgraph.layers.rotary import RotaryEmbedding
-from tgraph.models.base.config import ModelConfig
-from tgraph.models.base.weight_loader import WeightLoader
 from tgraph.nn.module import Module, ModuleList
 from tgraph.nn.tensor import Tensor
 

@@ -2,20 +2,19 @@
 
 A feature declares its name, whether it needs engines of its own, which features it stacks with,
 the symbolic inputs it adds, how it changes the recorded graph, and its real inputs: tensors that
-stay resident across steps and small per-batch integer arrays. The model builds one engine per combination of features actually used, lazily.
+stay resident across steps and small per-batch integer arrays. The model builds one engine per
+combination of features actually used, lazily.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from tgraph.errors import ConfigError
+from tgraph.models.base.batch import BatchMeta
 from tgraph.nn.tensor import Tensor
-
-if TYPE_CHECKING:
-    from tgraph.models.base.batch import BatchMeta
 
 
 class FeatureDecorator:
@@ -47,7 +46,7 @@ class FeatureDecorator:
         """Undo :meth:`enter_graph`."""
 
     # ---- running --------------------------------------------------------------------------------
-    def is_used(self, batch: "BatchMeta") -> bool:
+    def is_used(self, batch: BatchMeta) -> bool:
         """Whether this batch needs the feature's graph."""
         return False
 
@@ -58,13 +57,13 @@ class FeatureDecorator:
         decode graphs read them by reference, so an update is seen by the next replay."""
         return {}
 
-    def batch_arrays(self, batch: "BatchMeta") -> dict[str, np.ndarray]:
+    def batch_arrays(self, batch: BatchMeta) -> dict[str, np.ndarray]:
         """Small per-batch integer inputs (e.g. the adapter of every token), as host arrays.
 
         They are sent to the device together with the model's own batch inputs, in one copy."""
         return {}
 
-    def fill_inputs(self, batch: "BatchMeta", inputs: dict[str, Any]) -> None:
+    def fill_inputs(self, batch: BatchMeta, inputs: dict[str, Any]) -> None:
         """Add this feature's real inputs for ``batch`` (resident tensors and batch arrays)."""
         inputs.update(self.resident_inputs())
         device = self.model.llm_config.device

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tgraph.errors import ConfigError
-from tgraph.models.base.config import ModelConfig
+from tgraph.io.model_config import ModelConfig
+from tgraph.tuning import Tuning
 
 GRAPH_MODES = ("static", "eager")
 
@@ -29,6 +30,7 @@ class LlmConfig:
             ``max(batch_buckets)`` sequences) replay CUDA graphs captured at token buckets,
             padded up (static mode on CUDA with ``cuda_graph``); 0 runs prefill uncaptured.
         disabled_passes: pass names to skip.
+        tuning: the kernels' launch settings (``llm.engine.tuning``).
         rank, world_size: tensor-parallel position.
         features: settings of feature decorators (e.g. ``{"max_loras": 4}``).
     """
@@ -43,6 +45,7 @@ class LlmConfig:
     batch_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     prefill_graph_tokens: int = 4096
     disabled_passes: tuple[str, ...] = ()
+    tuning: Tuning = field(default_factory=Tuning)
     rank: int = 0
     world_size: int = 1
     features: dict = field(default_factory=dict)
@@ -55,6 +58,9 @@ class LlmConfig:
                 self.prefill_graph_tokens, int) or self.prefill_graph_tokens < 0:
             raise ConfigError("prefill_graph_tokens must be an int >= 0, got "
                               f"{self.prefill_graph_tokens!r}")
+        if not isinstance(self.tuning, Tuning):
+            raise ConfigError("tuning must be a tgraph.tuning.Tuning (tgraph.config.tuning_of "
+                              f"builds one from settings), got {type(self.tuning).__name__}")
         if self.max_model_len < 1 or self.block_size < 1:
             raise ConfigError("max_model_len and block_size must be positive")
 

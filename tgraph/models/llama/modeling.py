@@ -3,13 +3,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from tgraph.io.weights import WeightLoader
 from tgraph.layers.linear import ColumnParallelLinear
 from tgraph.models.base.causal_lm import FlashCausalLM
 from tgraph.models.base.decoder import BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.base.llm_config import LlmConfig
 from tgraph.models.base.lora_features import MultiLoraDecorator, SingleLoraDecorator
-from tgraph.models.base.weight_loader import WeightLoader
 from tgraph.models.registry import register_model
 from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tgraph.errors import ConfigError
-from tgraph.models.base import config as config_mod
-from tgraph.models.base.config import (
+from tgraph.io import model_config as config_mod
+from tgraph.io.model_config import (
     ModelConfig,
     parse_common_fields,
     register_config_builder,

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from tgraph.errors import WeightLoadError
-from tgraph.models.base import weight_loader as wl
-from tgraph.models.base.weight_loader import (
+from tgraph.io import weights as wl
+from tgraph.io.weights import (
     DictWeightLoader,
     SafetensorFileLoader,
     WeightLoader,

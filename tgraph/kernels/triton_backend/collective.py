@@ -8,23 +8,20 @@ with no copy kernel in between when the pass marked ``x`` as dead afterwards.
 
 On NCCL these launches are enqueued on the current stream and may be captured in a CUDA graph
 (nodes with ``capturable=True``); gloo runs them on the host.
-
-Importing this module registers the wrappers into :mod:`tgraph.kernels.fast`'s kernel table
-(``fast`` imports it at its end).
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from tgraph.ir.ops.collective import _group_size
-from tgraph.kernels import fast
+from tgraph.ir.ops.collective import check_group_size
+from tgraph.kernels.registry import KernelSpec
+from tgraph.kernels.triton_backend.common import Outs, reference_into, rows
 
-__all__ = ["all_gather_into", "all_reduce_add_rms_norm_into", "all_reduce_into"]
+__all__ = ["KERNELS", "all_gather_into", "all_reduce_add_rms_norm_into", "all_reduce_into"]
 
 
-@fast._register("all_reduce")
-def all_reduce_into(outs: fast.Outs, x: torch.Tensor, *, world_size: int,
+def all_reduce_into(outs: Outs, x: torch.Tensor, *, world_size: int,
                     capturable: bool = False) -> torch.Tensor:
     """``outs[0] = sum of x over the ranks``: one copy into the buffer, reduced in place.
 
@@ -36,15 +33,14 @@ def all_reduce_into(outs: fast.Outs, x: torch.Tensor, *, world_size: int,
     Returns:
         ``outs[0]``.
     """
-    _group_size("all_reduce", world_size)
+    check_group_size("all_reduce", world_size)
     out = outs[0]
     out.copy_(x)
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
 
 
-@fast._register("all_gather")
-def all_gather_into(outs: fast.Outs, x: torch.Tensor, *, dim: int, world_size: int,
+def all_gather_into(outs: Outs, x: torch.Tensor, *, dim: int, world_size: int,
                     capturable: bool = False) -> torch.Tensor:
     """``outs[0] = cat(every rank's x, dim)``, gathered straight into the buffer when ``dim`` is
     the leading dim, else into a ``[world_size, *x.shape]`` scratch then laid out along ``dim``.
@@ -58,7 +54,7 @@ def all_gather_into(outs: fast.Outs, x: torch.Tensor, *, dim: int, world_size: i
     Returns:
         ``outs[0]``.
     """
-    _group_size("all_gather", world_size)
+    check_group_size("all_gather", world_size)
     out = outs[0]
     x = x.contiguous()
     d = dim % x.dim()
@@ -79,8 +75,7 @@ def all_gather_into(outs: fast.Outs, x: torch.Tensor, *, dim: int, world_size: i
     return out
 
 
-@fast._register("all_reduce_add_rms_norm")
-def all_reduce_add_rms_norm_into(outs: fast.Outs, x: torch.Tensor, residual: torch.Tensor,
+def all_reduce_add_rms_norm_into(outs: Outs, x: torch.Tensor, residual: torch.Tensor,
                                  weight: torch.Tensor, *, eps: float, world_size: int,
                                  capturable: bool = False, reduce_in_place: bool = False
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,10 +96,10 @@ def all_reduce_add_rms_norm_into(outs: fast.Outs, x: torch.Tensor, residual: tor
         ``(normed, new_residual)``: ``outs[0]`` and ``outs[1]``.
     """
     op = "all_reduce_add_rms_norm"
-    _group_size(op, world_size)
+    check_group_size(op, world_size)
     out, residual_out = outs
     if weight.dtype != x.dtype:
-        return fast._reference_into(op)(outs, x, residual, weight, eps=eps,
+        return reference_into(op)(outs, x, residual, weight, eps=eps,
                                         world_size=world_size)
     if reduce_in_place and x.is_contiguous():
         reduced = x
@@ -116,6 +111,13 @@ def all_reduce_add_rms_norm_into(outs: fast.Outs, x: torch.Tensor, residual: tor
 
     n = x.shape[-1]
     # residual_out may alias the kernel's x (the copy path): each row is read before written.
-    add_rms_norm(fast._rows(reduced), fast._rows(residual), weight, eps, out.view(-1, n),
+    add_rms_norm(rows(reduced), rows(residual), weight, eps, out.view(-1, n),
                  residual_out.view(-1, n))
     return out, residual_out
+
+
+KERNELS = (
+    KernelSpec("all_reduce", all_reduce_into),
+    KernelSpec("all_gather", all_gather_into),
+    KernelSpec("all_reduce_add_rms_norm", all_reduce_add_rms_norm_into),
+)

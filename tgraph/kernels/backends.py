@@ -1,0 +1,43 @@
+"""The one place every kernel backend registers from, and the kernel choice of the engine.
+
+:func:`select_kernel` is what the engine's lowering calls for each node on the Triton backend:
+the registered entry (:mod:`tgraph.kernels.registry`) bound to the engine's tuning, else the
+op's torch reference writing into the planned buffers, so every network runs.
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from tgraph.ir.node import Node
+from tgraph.kernels.registry import kernel_for, register_kernel
+from tgraph.tuning import Tuning
+
+__all__ = ["load_backends", "select_kernel"]
+
+
+@functools.cache
+def load_backends() -> None:
+    """Register every backend's kernels (once per process)."""
+    from tgraph.kernels.triton_backend import collective, core, lora, sdpa
+
+    for module in (core, lora, collective, sdpa):
+        for spec in module.KERNELS:
+            register_kernel(spec.op, "triton", spec.fn, supports=spec.supports, tuned=spec.tuned,
+                            name=spec.name)
+
+
+def select_kernel(node: Node, tuning: Tuning, backend: str = "triton"
+                  ) -> tuple[Callable[..., Any], str]:
+    """The kernel that runs ``node`` on ``backend`` with ``tuning``, and a printable name."""
+    from tgraph.kernels.triton_backend.common import reference_into
+
+    load_backends()
+    entry = kernel_for(node, backend)
+    if entry is None:
+        return reference_into(node.op), f"torch.{node.op}"
+    fn = entry.spec.fn
+    if entry.spec.tuned:
+        fn = functools.partial(fn, tuning=tuning)
+    return fn, entry.name

@@ -1,0 +1,289 @@
+"""Launch settings of the kernels: frozen dataclasses, one per kernel family, in one
+:class:`Tuning`.
+
+The defaults are the measured choices (``docs/performance.md`` has the measurements); each field
+says in one line why it has its value. An :class:`~tgraph.engine.Engine` holds one ``Tuning``
+and hands each kernel its section as an argument, so two engines in one process can run with
+different settings (``tgraph.bench.ab`` compares two that way) and a captured CUDA graph always
+replays the settings of the engine that captured it. Nothing here is mutable.
+
+The settings tree exposes every field as ``llm.engine.tuning.<section>.<field>``::
+
+    tgraph generate --model DIR --set llm.engine.tuning.gemv.tma_weights=false
+
+and ``python -m tgraph.config --tuning`` prints them all with their docs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["DecodeAttentionTuning", "DecodeTiles", "GemvConfig", "GemvOverride", "GemvTuning",
+           "LoraTuning", "PrefetchTuning", "Tuning", "convert", "describe", "from_dict",
+           "leaf_types", "to_dict"]
+
+
+def knob(default: Any, doc: str, minimum: int = 1) -> Any:
+    """A field with its default and the one-line reason for it (shown by ``--tuning``); an int
+    field accepts values from ``minimum`` up."""
+    if isinstance(default, (list, dict, set)):
+        raise TypeError("tuning defaults must be immutable")
+    return field(default=default, metadata={"doc": doc, "minimum": minimum})
+
+
+def section(cls: type, doc: str, **values: Any) -> Any:
+    """A nested section whose default is ``cls(**values)``."""
+    return field(default_factory=lambda: cls(**values), metadata={"doc": doc})
+
+
+class _Section:
+    """Base of the tuning dataclasses: built directly, they get the checks settings get."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if isinstance(f.default, int) and not isinstance(f.default, bool):
+                convert(f"{type(self).__name__}.{f.name}", int, getattr(self, f.name),
+                        f.metadata.get("minimum", 1))
+
+
+@dataclass(frozen=True)
+class GemvConfig(_Section):
+    """One launch of the small-M linear (the ``config`` argument of ``small_m_linear``)."""
+
+    block_n: int = knob(4, "output columns per program; 64 or more swaps the MMA operands")
+    block_k: int = knob(1024, "K elements per loop step")
+    split_k: int = knob(1, "programs sharing one output tile's K range")
+    num_warps: int = knob(4, "warps per program")
+    num_stages: int = knob(3, "software-pipeline depth of the weight loads")
+
+
+@dataclass(frozen=True)
+class GemvOverride(_Section):
+    """A launch configuration that replaces the heuristic's for one shape."""
+
+    block_m: int = knob(1, "the M bucket: 1, 16 or 32")
+    n: int = knob(1, "output features")
+    k: int = knob(1, "input features")
+    gated: bool = knob(False, "a SwiGLU gate|up linear")
+    norm: bool = knob(False, "with the RMSNorm fused")
+    config: GemvConfig = section(GemvConfig, "the launch to use for this shape")
+
+    def key(self) -> tuple[int, int, int, bool, bool]:
+        return (self.block_m, self.n, self.k, self.gated, self.norm)
+
+
+@dataclass(frozen=True)
+class GemvTuning(_Section):
+    """The small-M linear (``tgraph.kernels.triton.gemv``): decode GEMV with fused norm/gate."""
+
+    small_m_max: int = knob(16, "largest M run by the small-M kernel; above it cuBLAS tiles win")
+    m1_block_n: int = knob(4, "M=1 output rows per program: best or within 3% on every swept "
+                              "Llama/Qwen shape with cold weights")
+    m1_gated_block_n: int = knob(2, "M=1 gated rows per program: a gated row reads two weight "
+                                    "rows, so half of m1_block_n keeps the bytes in flight")
+    m1_stages: int = knob(3, "M=1 pipeline depth: the cold-weight sweep's best")
+    m1_wide_k: int = knob(2048, "an unfused M=1 linear from this K takes 2048-wide K tiles: "
+                                "half as long a chain of dependent loads per program")
+    m1_wide_k_8_warps: int = knob(4096, "from this K the wide tiles run on 8 warps (32 weight "
+                                        "elements per thread and tile, as at 4 warps)")
+    m1_min_programs_per_sm: int = knob(2, "an unfused M=1 grid below this many programs per SM "
+                                          "halves its rows per program")
+    m16_block_k: int = knob(256, "16-row plain linears: K tile of the cold-weight sweep's best")
+    m16_stages: int = knob(4, "16-row plain linears: pipeline depth")
+    m16_long_k: int = knob(8192, "from this K a 16-row plain linear swaps operands and splits K "
+                                 "(down projections), and stays on this kernel, not cuBLAS")
+    m16_fused_block_n: int = knob(64, "16-row linears with a fused norm or gate: weight rows per "
+                                      "program (swapped operands: the weight is the MMA's M side)")
+    m16_fused_block_k: int = knob(256, "16-row fused linears: K tile (halved for two weight "
+                                       "tiles or fp32), what 227 KB of shared memory holds")
+    swap_min_block_n: int = knob(64, "narrowest output block that swaps the MMA operands")
+    max_split_k: int = knob(16, "most K splits: beyond it the partials' round trip outweighs")
+    split_k_fixup: bool = knob(True, "the last split of a tile reduces it in the same launch "
+                                     "(not with swapped operands without a norm: slower there)")
+    tma_weights: bool = knob(True, "swapped-operand programs read weight tiles by TMA on Hopper "
+                                   "(same tiles and bits as pointer loads, slightly faster)")
+    overrides: tuple[GemvOverride, ...] = knob((), "per-shape launches that replace the "
+                                                   "heuristic's (for A/Bs of whole steps)")
+
+    def override_for(self, key: tuple[int, int, int, bool, bool]) -> GemvConfig | None:
+        """The override of shape ``key`` = (block_m, n, k, gated, norm), if any."""
+        for entry in self.overrides:
+            if entry.key() == key:
+                return entry.config
+        return None
+
+
+@dataclass(frozen=True)
+class DecodeTiles(_Section):
+    """Tiles of the split-KV decode attention kernel."""
+
+    block_n: int = knob(64, "keys per inner-loop step")
+    num_warps: int = knob(4, "warps per program")
+    num_stages: int = knob(3, "K/V pipeline depth")
+
+
+@dataclass(frozen=True)
+class DecodeAttentionTuning(_Section):
+    """Split-KV decode attention (``tgraph.kernels.triton.attention_decode``)."""
+
+    min_keys_per_split: int = knob(256, "a split streams at least this many keys, else its "
+                                        "partial state's round trip stops being small")
+    max_splits: int = knob(64, "beyond this the reduce pass and the workspace grow for nothing")
+    programs_per_sm: int = knob(2, "split until the grid has this many programs per SM: 4 gave "
+                                   "one-tile splits in two waves, slower at batch 16")
+    early_kv_max_programs_per_sm: int = knob(1, "with the new key folded in, splits load their "
+                                                "first K/V tile before the PDL wait at grids of "
+                                                "at most this many programs per SM (0: never)",
+                                           minimum=0)
+    small_grid_tiles: DecodeTiles = section(
+        DecodeTiles, "a grid of at most one program per SM (head_dim <= 128): 32-key tiles in 2 "
+                     "stages, so every split of a 512-key context holds a tile",
+        block_n=32, num_stages=2)
+    tiles: DecodeTiles = section(DecodeTiles, "larger grids with head_dim <= 128")
+    override: DecodeTiles | None = knob(None, "tiles for every CUDA launch instead of the "
+                                              "heuristic's (for A/Bs), or null")
+
+
+@dataclass(frozen=True)
+class LoraTuning(_Section):
+    """The multi-LoRA shrink kernels (``tgraph.kernels.triton.lora``)."""
+
+    programs_per_sm: int = knob(2, "split-K aims at this many programs per SM to cover HBM "
+                                   "latency with loads in flight")
+    max_splits: int = knob(32, "most K splits of the shrink")
+    min_blocks_per_split: int = knob(2, "K blocks per split, at least: two 128-wide blocks ran "
+                                        "10-35% faster than one at decode")
+    rows_max_tokens: int = knob(64, "up to this many tokens the per-token kernel runs (decode "
+                                    "batches); above it the tiled split-K kernel")
+
+
+@dataclass(frozen=True)
+class PrefetchTuning(_Section):
+    """The L2 weight prefetch of batch-1 decode (``tgraph.kernels.triton.prefetch``)."""
+
+    max_rows: int = knob(1, "prefetch only for steps of at most this many tokens: at batch 16 "
+                            "the linears already stream near copy bandwidth and it only competes")
+    l2_fraction: float = knob(0.5, "share of L2 one layer's prefetched weights may take")
+
+
+@dataclass(frozen=True)
+class Tuning(_Section):
+    """Every kernel family's launch settings; the engine holds one (``Engine.tuning``)."""
+
+    gemv: GemvTuning = section(GemvTuning, "the small-M linear (decode GEMV)")
+    decode_attention: DecodeAttentionTuning = section(DecodeAttentionTuning,
+                                                      "split-KV decode attention")
+    lora: LoraTuning = section(LoraTuning, "the multi-LoRA shrink kernels")
+    prefetch: PrefetchTuning = section(PrefetchTuning, "the batch-1 L2 weight prefetch")
+
+
+# ------------------------------------------------------------------------- dicts and settings
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _is_dataclass_type(tp: Any) -> bool:
+    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
+
+
+def convert(path: str, tp: Any, value: Any, minimum: int = 1) -> Any:
+    """``value`` (JSON-like) as type ``tp`` (an int at least ``minimum``), or a ``ValueError``
+    naming ``path``."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return convert(path, args[0], value, minimum)
+    if _is_dataclass_type(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"'{path}' must be an object with keys "
+                             f"{', '.join(f.name for f in dataclasses.fields(tp))}, got {value!r}")
+        return from_dict(tp, value, path)
+    if origin is tuple:
+        (item,) = [a for a in typing.get_args(tp) if a is not Ellipsis]
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"'{path}' must be a list, got {value!r}")
+        return tuple(convert(f"{path}[{i}]", item, v) for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ValueError(f"'{path}' must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise ValueError(f"'{path}' must be an integer >= {minimum}, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise ValueError(f"'{path}' must be a number in (0, 1], got {value!r}")
+        return float(value)
+    raise TypeError(f"'{path}': unsupported tuning type {tp!r}")
+
+
+def from_dict(cls: type, data: Mapping[str, Any] | None = None, path: str = "") -> Any:
+    """Build ``cls`` (a tuning dataclass) from a partial mapping: missing keys keep defaults.
+
+    Raises:
+        ValueError: an unknown key (with the known ones) or a value of the wrong type.
+    """
+    data = dict(data or {})
+    hints = _hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        where = f"'{path}'" if path else cls.__name__
+        raise ValueError(f"unknown tuning key(s) {unknown} in {where}; known: {', '.join(names)}")
+    minimum = {f.name: f.metadata.get("minimum", 1) for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        sub = f"{path}.{name}" if path else name
+        if _is_dataclass_type(hints[name]) and isinstance(value, Mapping):
+            # A partial section updates that section's defaults.
+            base = to_dict(getattr(cls(), name))
+            base.update(value)
+            value = base
+        kwargs[name] = convert(sub, hints[name], value, minimum[name])
+    return cls(**kwargs)
+
+
+def to_dict(obj: Any) -> Any:
+    """A tuning object as plain JSON-like data (tuples as lists)."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [to_dict(v) for v in obj]
+    return obj
+
+
+def leaf_types(cls: type = None) -> dict[str, Any]:
+    """The settings tree of a tuning class: nested dicts of sections, ``(type, doc)`` at leaves."""
+    cls = Tuning if cls is None else cls
+    hints = _hints(cls)
+    tree: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if _is_dataclass_type(tp):
+            tree[f.name] = leaf_types(tp)
+        else:
+            tree[f.name] = (tp, f.metadata.get("doc", ""), f.metadata.get("minimum", 1))
+    return tree
+
+
+def describe(obj: Any = None, prefix: str = "llm.engine.tuning") -> list[tuple[str, Any, str]]:
+    """Every leaf setting of a tuning object (default: ``Tuning()``) as ``(dotted key, value,
+    doc)``, in declaration order."""
+    obj = Tuning() if obj is None else obj
+    rows: list[tuple[str, Any, str]] = []
+    for f in dataclasses.fields(obj):
+        key, value = f"{prefix}.{f.name}", getattr(obj, f.name)
+        if dataclasses.is_dataclass(value):
+            rows += describe(value, key)
+        else:
+            rows.append((key, to_dict(value), f.metadata.get("doc", "")))
+    return rows
