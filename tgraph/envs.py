@@ -67,6 +67,9 @@ class EnvVar:
         return self.parse(self.name, text)
 
 
+_TORCHRUN = "tgraph (from torchrun)"
+
+
 def _default_cache_dir() -> Path:
     return Path.home() / ".cache" / "tgraph"
 
@@ -132,10 +135,16 @@ def __getattr__(name: str) -> Any:
 
 
 def markdown_table() -> str:
-    """The README's table of the variables."""
+    """The README's table of the variables (torchrun's launch variables in one row)."""
     lines = ["| variable | read by | meaning |", "|---|---|---|"]
+    launch = [v.name for v in VARIABLES.values() if v.reader == _TORCHRUN]
     for v in VARIABLES.values():
-        lines.append(f"| `{v.name}` | {v.reader} | {v.doc} |")
+        if v.reader != _TORCHRUN:
+            lines.append(f"| `{v.name}` | {v.reader} | {v.doc} |")
+        elif v.name == launch[0]:
+            names = ", ".join(f"`{n}`" for n in launch)
+            lines.append(f"| {names} | {_TORCHRUN} | set by torchrun: the tensor-parallel group; "
+                         "checked by tgraph.nn.distributed |")
     return "\n".join(lines)
 
 

@@ -518,19 +518,19 @@ def dry_run(model_dir: str | Path, rules: str | Path | Sequence[Mapping[str, Any
     """
     import torch
 
-    from tgraph.io.model_config import ModelConfig
-    from tgraph.io.weights import SafetensorFileLoader
+    from tgraph.io.checkpoint import open_checkpoint, read_config
     from tgraph.models.base.llm_config import LlmConfig
     from tgraph.models.registry import load_module_map, resolve_model_class
 
     parsed = load_rules(rules, check_devices=False)  # a GPU rule file may be checked anywhere
     if module_map is not None:
         load_module_map(module_map)
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     cls = resolve_model_class(config)
     llm = LlmConfig(config, dtype=torch.float32, device="meta",
                     max_model_len=min(config.max_position_embeddings, 64))
-    loader = SafetensorFileLoader(model_dir, device="meta", dtype=torch.float32, progress=False)
+    _, loader = open_checkpoint(model_dir, config, device="meta", dtype=torch.float32,
+                                progress=False)
     model = cls(llm, loader)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

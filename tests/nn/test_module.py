@@ -232,7 +232,7 @@ def test_parameter_without_data_load_and_to() -> None:
     assert p.data is None and "not loaded" in repr(p)
     with pytest.raises(TypeError, match="needs data, or both shape and dtype"):
         Parameter(shape=(2, 3))
-    with pytest.raises(TypeError, match="must be a torch.Tensor, got list"):
+    with pytest.raises(TypeError, match="must be a torch.Tensor or a QuantizedWeight, got list"):
         Parameter([1.0, 2.0])
     with pytest.raises(WeightLoadError, match=r"expected shape \[2, 3\], got \[3, 2\]"):
         p.load(torch.zeros(3, 2))

@@ -12,6 +12,7 @@ from tgraph.ir.network import Network
 from tgraph.ir.node import Node
 from tgraph.ir.ops import get_op
 from tgraph.ir.value import Value, ValueKind
+from tgraph.quant import is_quantized
 
 Kernel = Callable[..., Any]
 
@@ -88,6 +89,13 @@ def on_device(kernel: Kernel, device: torch.device) -> Kernel:
     return run
 
 
+def _quantized_weights(node: Node) -> str:
+    """``[<scheme>]`` for a node reading a quantized weight (what ``str(engine)`` shows)."""
+    schemes = [v.data.scheme.describe(v.data.shape) for v in node.inputs
+               if v is not None and v.kind is ValueKind.WEIGHT and is_quantized(v.data)]
+    return f"[{', '.join(schemes)}]" if schemes else ""
+
+
 def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] | None = None,
           devices: Mapping[Node, torch.device] | None = None) -> LaunchPlan:
     """Build the launch plan of ``net``.
@@ -118,6 +126,7 @@ def lower(net: Network, select: Callable[[Node], tuple[Kernel, str]] | None = No
         outs = tuple(plan.slot(v) for v in node.outputs)
         into = select is not None and not is_pure_view(node)
         kernel, name = select(node) if into else reference_kernel(node)
+        name += _quantized_weights(node)
         device = devices.get(node) if devices is not None else None
         if device is not None and device.type == "cuda" and not is_pure_view(node):
             kernel = on_device(kernel, device)

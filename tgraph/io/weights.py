@@ -7,6 +7,11 @@ remembered so that a model can report the checkpoint tensors it never used.
 
 Only safetensors is read. Pickle checkpoints (``pytorch_model.bin``, ``*.pt``...) are refused and
 never opened, because unpickling a file runs whatever code it names.
+
+Quantized checkpoints register their weights with :meth:`WeightLoader.register_quantized`: the
+logical name (``...q_proj.weight``) then reads as a :class:`~tgraph.quant.QuantizedWeight` of
+the logical shape, whole, sharded or packed, built from the checkpoint's parts (which count as
+used when it is read) and never dequantized.
 """
 from __future__ import annotations
 
@@ -14,13 +19,15 @@ import difflib
 import json
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from tgraph.errors import WeightLoadError
+from tgraph.quant import QuantizedWeight
 
 __all__ = [
     "WeightLoader",
@@ -58,6 +65,13 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
     return dtype
 
 
+@dataclass(frozen=True)
+class _QuantEntry:
+    shape: tuple[int, ...]
+    build: Callable[[], QuantizedWeight]
+    parts: tuple[str, ...]
+
+
 class WeightLoader(ABC):
     """Common interface and bookkeeping of the checkpoint readers.
 
@@ -90,6 +104,7 @@ class WeightLoader(ABC):
         self.world_size = world_size
         self._progress_flag = progress
         self._aliases: dict[str, str] = {}
+        self._quantized: dict[str, _QuantEntry] = {}
         self._used: set[str] = set()
         self._read_names: set[str] = set()
         self._bar: Any = None
@@ -115,10 +130,53 @@ class WeightLoader(ABC):
     def _total_bytes(self) -> int:
         """Size of the checkpoint, used to decide whether a progress bar is worth showing."""
 
+    # ---------------------------------------------------------------------------- quantized
+    def register_quantized(self, name: str, shape: Sequence[int],
+                           build: Callable[[], QuantizedWeight],
+                           parts: Sequence[str] = ()) -> None:
+        """Make ``name`` read as a quantized weight.
+
+        Args:
+            name: the logical weight name (what the model asks for).
+            shape: its logical ``[N, K]`` shape.
+            build: reads the parts and returns the whole :class:`QuantizedWeight` (on any
+                device; reads move it to the loader's).
+            parts: the checkpoint tensors it is made of; they are hidden from :meth:`names`
+                and count as used once ``name`` is read.
+        """
+        self._quantized[name] = _QuantEntry(tuple(int(d) for d in shape), build, tuple(parts))
+
+    def is_quantized(self, name: str) -> bool:
+        """Whether ``name`` (or its alias target) reads as a quantized weight."""
+        real = self._lookup(name)
+        return real is not None and real in self._quantized
+
+    def quantized_names(self) -> list[str]:
+        """The logical names registered with :meth:`register_quantized`, sorted."""
+        return sorted(self._quantized)
+
+    def _read_quantized(self, real: str, dtype: torch.dtype | None) -> QuantizedWeight:
+        entry = self._quantized[real]
+        weight = entry.build()
+        if tuple(weight.shape) != entry.shape:
+            raise WeightLoadError(f"tensor '{real}': its parts make a {list(weight.shape)} "
+                                  f"weight, expected {list(entry.shape)} "
+                                  f"({self._describe_sources()})")
+        self._used.update(entry.parts)
+        self._used.add(real)
+        self._tick(real)
+        return weight.to(self._device_for(real), dtype or self.dtype or weight.dtype)
+
+    def _device_for(self, real: str) -> torch.device:
+        """Where the tensor ``real`` is placed (subclasses may place tensors per name)."""
+        return self.device
+
     # ---------------------------------------------------------------------------------- lookups
     def names(self) -> list[str]:
-        """Return the sorted names of every tensor in the checkpoint (aliases excluded)."""
-        return sorted(self._names())
+        """Return the sorted names of every tensor in the checkpoint (aliases excluded; a
+        quantized weight by its logical name, not its parts)."""
+        hidden = {p for e in self._quantized.values() for p in e.parts}
+        return sorted((set(self._names()) - hidden) | set(self._quantized))
 
     def has(self, name: str) -> bool:
         """Return whether ``name`` can be read, directly or through an :meth:`alias`."""
@@ -130,7 +188,10 @@ class WeightLoader(ABC):
         Raises:
             WeightLoadError: the tensor is missing.
         """
-        return self._shape(self._resolve(name))
+        real = self._resolve(name)
+        if real in self._quantized:
+            return self._quantized[real].shape
+        return self._shape(real)
 
     def alias(self, name: str, target: str) -> None:
         """Read ``target`` whenever ``name`` is asked for but absent from the checkpoint.
@@ -169,12 +230,16 @@ class WeightLoader(ABC):
 
         Args:
             name: checkpoint tensor name (aliases allowed).
-            dtype: overrides the loader's dtype for this read (applied to any tensor).
+            dtype: overrides the loader's dtype for this read (applied to any tensor; a
+                quantized weight's logical dtype).
 
         Returns:
-            The tensor, contiguous, on ``self.device``.
+            The tensor, contiguous, on ``self.device`` (a :class:`QuantizedWeight` for a name
+            registered with :meth:`register_quantized`).
         """
         real = self._resolve(name)
+        if real in self._quantized:
+            return self._read_quantized(real, dtype)
         return self._finish(real, self._read(real, None), dtype)
 
     def get_sharded(
@@ -204,6 +269,12 @@ class WeightLoader(ABC):
         """
         real = self._resolve(name)
         index = self._shard_index(name, real, dim, rank, world_size)
+        if real in self._quantized:
+            d = next(i for i, s in enumerate(index) if s != slice(None)) if any(
+                s != slice(None) for s in index) else 0
+            cut = index[d]
+            whole = self._read_quantized(real, dtype)
+            return whole.narrow(d, cut.start or 0, (cut.stop or whole.shape[d]) - (cut.start or 0))
         return self._finish(real, self._read(real, index), dtype)
 
     def get_merged(
@@ -234,6 +305,11 @@ class WeightLoader(ABC):
             parts = [self.get_tensor(n, dtype) for n in names]
         else:
             parts = [self.get_sharded(n, shard_dim, dtype=dtype) for n in names]
+        if any(isinstance(p, QuantizedWeight) for p in parts):
+            if dim != 0 or not all(isinstance(p, QuantizedWeight) for p in parts):
+                raise WeightLoadError(f"cannot pack {list(names)}: quantized weights stack "
+                                      "along their rows, with quantized weights only")
+            return QuantizedWeight.cat(parts)
         try:
             return torch.cat(parts, dim=dim)
         except (RuntimeError, IndexError) as exc:
@@ -248,8 +324,9 @@ class WeightLoader(ABC):
         self._used.add(self._resolve(name))
 
     def unused_names(self) -> list[str]:
-        """Return the sorted checkpoint names never read nor marked used."""
-        return sorted(set(self._names()) - self._used)
+        """Return the sorted checkpoint names never read nor marked used (a quantized weight by
+        its logical name)."""
+        return sorted(set(self.names()) - self._used)
 
     # ------------------------------------------------------------------------------- life cycle
     def close(self) -> None:
@@ -267,10 +344,10 @@ class WeightLoader(ABC):
     # -------------------------------------------------------------------------------- internals
     def _lookup(self, name: str) -> str | None:
         names = self._name_set()
-        if name in names:
+        if name in names or name in self._quantized:
             return name
         target = self._aliases.get(name)
-        if target is not None and target in names:
+        if target is not None and (target in names or target in self._quantized):
             return target
         return None
 
@@ -301,7 +378,7 @@ class WeightLoader(ABC):
         rank = self.rank if rank is None else rank
         world_size = self.world_size if world_size is None else world_size
         _check_parallel(rank, world_size)
-        shape = self._shape(real)
+        shape = self._quantized[real].shape if real in self._quantized else self._shape(real)
         if not isinstance(dim, int) or isinstance(dim, bool) or not -len(shape) <= dim < len(shape):
             raise WeightLoadError(
                 f"cannot shard tensor '{name}' of shape {list(shape)} along dim {dim}: no such dim"
@@ -324,7 +401,7 @@ class WeightLoader(ABC):
             dtype = self.dtype
         # Move first, convert second: torch converts CPU->GPU copies on the CPU, which is slower
         # than converting on the GPU and, when widening (bf16 -> fp32), doubles the bytes moved.
-        out = tensor.to(self.device).to(dtype or tensor.dtype).contiguous()
+        out = tensor.to(self._device_for(real)).to(dtype or tensor.dtype).contiguous()
         self._used.add(real)
         self._tick(real)
         return out

@@ -4,10 +4,17 @@ Each layer reads only its shard from the weight loader at construction: column-p
 split the output dim (weight dim 0), row-parallel layers the input dim (weight dim 1). A packed
 layer (q/k/v, gate/up) reads several checkpoint tensors into one weight so that the model runs
 one GEMM; where a checkpoint is already packed the names list has one entry.
+
+Weights may be quantized (:class:`~tgraph.quant.QuantizedWeight`, from a quantized checkpoint):
+they stay packed. Parts of a packed layer quantized alike stack into one quantized weight; parts
+quantized differently (a GGUF file mixing Q4_K and Q6_K) stay separate weights, run as one
+linear each and concatenated. :meth:`LinearBase.configure` lets a rule choose how a quantized
+linear runs.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -16,6 +23,9 @@ from tgraph.io.weights import WeightLoader
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
 from tgraph.nn.tensor import Tensor
+from tgraph.quant import QuantizedWeight, dense, is_quantized
+
+QUANT_MODES = ("kernel", "reference", "dense")
 
 
 def divide(n: int, world_size: int, what: str) -> int:
@@ -26,27 +36,94 @@ def divide(n: int, world_size: int, what: str) -> int:
     return n // world_size
 
 
-class LinearBase(Module):
-    """``y = x @ weight.T + bias`` with a weight already sharded for this rank."""
+def stack_rows(parts: Sequence[torch.Tensor | QuantizedWeight]
+               ) -> torch.Tensor | QuantizedWeight | None:
+    """The parts of a packed weight stacked along their rows: dense tensors concatenated,
+    quantized ones when their schemes agree (still quantized); ``None`` when they cannot be one
+    weight (quantized differently, or dense and quantized mixed)."""
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return torch.cat(list(parts))
+    if QuantizedWeight.stackable(parts):
+        return QuantizedWeight.cat(list(parts))
+    return None
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+
+class LinearBase(Module):
+    """``y = x @ weight.T + bias`` with a weight already sharded for this rank.
+
+    A packed layer whose parts cannot stack (see :func:`stack_rows`) holds them as
+    ``weight_0, weight_1, ...`` (and ``bias_i``) and runs one linear per part.
+    """
+
+    quant_mode: str = "kernel"
+    num_parts: int = 1
+
+    def __init__(self, weight: torch.Tensor | QuantizedWeight | Sequence[Any],
+                 bias: torch.Tensor | Sequence[torch.Tensor] | None) -> None:
         super().__init__()
-        self.weight = Parameter(weight)
-        self.register_parameter("bias", Parameter(bias) if bias is not None else None)
+        if isinstance(weight, (torch.Tensor, QuantizedWeight)):
+            self.weight = Parameter(weight)
+            self.register_parameter("bias", Parameter(bias) if bias is not None else None)
+            self.num_parts = 1
+            return
+        self.num_parts = len(weight)
+        for i, w in enumerate(weight):
+            self.register_parameter(f"weight_{i}", Parameter(w))
+            b = None if bias is None else bias[i]
+            self.register_parameter(f"bias_{i}", Parameter(b) if b is not None else None)
+
+    def weights(self) -> list[tuple[Parameter, Parameter | None]]:
+        """``(weight, bias)`` of each part (one pair unless the layer holds parts)."""
+        if self.num_parts == 1:
+            return [(self.weight, self.bias)]
+        return [(getattr(self, f"weight_{i}"), getattr(self, f"bias_{i}"))
+                for i in range(self.num_parts)]
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1]
+        return self.weights()[0][0].shape[1]
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[0]
+        return sum(w.shape[0] for w, _ in self.weights())
+
+    @classmethod
+    def check_kwargs(cls, quant: str = "kernel") -> None:
+        """Refuse an unknown ``quant`` mode (rules check it before any weight is read)."""
+        if quant not in QUANT_MODES:
+            raise ValueError(f"quant must be one of {list(QUANT_MODES)}, got {quant!r}")
+
+    def configure(self, quant: str = "kernel") -> None:
+        """How a quantized weight runs (a rule's ``kwargs``).
+
+        Args:
+            quant: ``"kernel"`` (default: the quantized kernels, packed weights),
+                ``"reference"`` (the torch reference dequantizing per call, also on a GPU; the
+                linear is left out of fusions), or ``"dense"`` (dequantized once now, then an
+                ordinary linear: exact, at the memory of a dense weight).
+        """
+        self.check_kwargs(quant)
+        self.quant_mode = quant
+        if quant == "dense":
+            for w, _ in self.weights():
+                if w.data is not None and is_quantized(w.data):
+                    w.data = dense(w.data)
+
+    def _linear(self, x: Tensor, w: Parameter, b: Parameter | None) -> Tensor:
+        if self.quant_mode == "reference" and w.data is not None and is_quantized(w.data):
+            return F.record("linear", [x, w, b], transpose_a=False, transpose_b=True,
+                            impl="reference")
+        return F.linear(x, w, b)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.num_parts == 1:
+            return self._linear(x, self.weight, self.bias)
+        return F.cat([self._linear(x, w, b) for w, b in self.weights()], dim=-1)
 
     def extra_repr(self) -> str:
-        return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"
+        parts = f", parts={self.num_parts}" if self.num_parts > 1 else ""
+        bias = self.weights()[0][1] is not None
+        return f"in={self.in_features}, out={self.out_features}, bias={bias}{parts}"
 
 
 def expect(loader: WeightLoader, prefix: str, out_features: int, in_features: int,
@@ -117,7 +194,7 @@ class RowParallelLinear(LinearBase):
         self.rank, self.world_size = rank, ws
 
     def forward(self, x: Tensor) -> Tensor:
-        out = F.linear(x, self.weight, self.bias)
+        out = LinearBase.forward(self, x)
         if self.world_size > 1:
             from tgraph.nn import distributed
 
@@ -137,10 +214,10 @@ class MergedColumnParallelLinear(LinearBase):
         for p, n in zip(prefixes, output_sizes, strict=True):
             expect(loader, p, n, in_features, bias)
             divide(n, ws, f"{p} output features")
-        weight = torch.cat([loader.get_sharded(f"{p}.weight", 0, rank, ws) for p in prefixes])
-        b = torch.cat([loader.get_sharded(f"{p}.bias", 0, rank, ws) for p in prefixes]) \
+        parts = [loader.get_sharded(f"{p}.weight", 0, rank, ws) for p in prefixes]
+        biases = [loader.get_sharded(f"{p}.bias", 0, rank, ws) for p in prefixes] \
             if bias else None
-        super().__init__(weight, b)
+        _init_packed(self, parts, biases)
         self.output_sizes = [n // ws for n in output_sizes]
         self.rank, self.world_size = rank, ws
 
@@ -173,18 +250,27 @@ class QKVParallelLinear(LinearBase):
             head = rank * num_kv_heads // ws
             return loader.get_sharded(name, 0, head, num_kv_heads)
 
-        weight = torch.cat([loader.get_sharded(f"{q_prefix}.weight", 0, rank, ws),
-                            kv_part(f"{k_prefix}.weight"), kv_part(f"{v_prefix}.weight")])
-        b = None
+        parts = [loader.get_sharded(f"{q_prefix}.weight", 0, rank, ws),
+                 kv_part(f"{k_prefix}.weight"), kv_part(f"{v_prefix}.weight")]
+        biases = None
         if bias:
-            b = torch.cat([loader.get_sharded(f"{q_prefix}.bias", 0, rank, ws),
-                           kv_part(f"{k_prefix}.bias"), kv_part(f"{v_prefix}.bias")])
+            biases = [loader.get_sharded(f"{q_prefix}.bias", 0, rank, ws),
+                      kv_part(f"{k_prefix}.bias"), kv_part(f"{v_prefix}.bias")]
         if num_kv_heads < ws:
             for p in (k_prefix, v_prefix):
                 loader.mark_used(f"{p}.weight")
                 if bias:
                     loader.mark_used(f"{p}.bias")
-        super().__init__(weight, b)
+        _init_packed(self, parts, biases)
         self.num_heads, self.num_kv_heads, self.head_dim = self_heads, kv_heads, head_dim
         self.output_sizes = [self_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         self.rank, self.world_size = rank, ws
+
+
+def _init_packed(layer: LinearBase, parts: list[Any], biases: list[torch.Tensor] | None) -> None:
+    """One stacked weight where the parts stack, else the parts side by side."""
+    weight = stack_rows(parts)
+    if weight is not None:
+        LinearBase.__init__(layer, weight, torch.cat(biases) if biases else None)
+    else:
+        LinearBase.__init__(layer, parts, biases)

@@ -11,6 +11,10 @@ features (the feature's shrink writes zeros there).
 
 NOTE: a feature's region is written in place (loading or activating an adapter), so built
 engines and captured graphs, which hold views of ``storage``, see new adapters without a rebuild.
+
+A quantized base weight (:class:`~tgraph.quant.QuantizedWeight`) cannot share a dense storage:
+its bank holds the B regions alone (``storage [N, C]``, the weight's logical dtype) and the
+adapted linear runs two GEMMs, ``x @ W.T + xa @ B.T`` (the quantized one untouched).
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 
 from tgraph.errors import ConfigError
+from tgraph.quant import is_quantized
 
 __all__ = ["LoraWeightBank", "aligned_width", "attach_bank"]
 
@@ -54,9 +59,13 @@ class LoraWeightBank:
     """
 
     def __init__(self, linear: Any, regions: Sequence[tuple[str, int]]) -> None:
+        if getattr(linear, "num_parts", 1) > 1:
+            raise ConfigError(f"LoRA: the target linear {linear!r} holds differently quantized "
+                              "parts; adapters need one weight (quantize its parts alike)")
         weight = linear.weight.data
         if weight is None or weight.dim() != 2:
             raise ConfigError(f"LoRA: the target linear {linear!r} needs a loaded 2-D weight")
+        self.quantized = is_quantized(weight)
         owners = [owner for owner, _ in regions]
         if len(set(owners)) != len(owners) or any(c < 0 for _, c in regions):
             raise ValueError(f"LoraWeightBank: regions must have distinct owners and non-negative "
@@ -65,6 +74,12 @@ class LoraWeightBank:
         # owner -> (first, end) LoRA column, counted from column K
         self.regions: dict[str, tuple[int, int]] = _spans(regions)
         total = max((end for _, end in self.regions.values()), default=0)
+        if self.quantized:  # B regions only: the base weight stays packed where it is
+            self.base = 0
+            self.storage = torch.zeros(out_features, total, dtype=weight.dtype,
+                                       device=weight.device)
+            return
+        self.base = self.in_features
         self.storage = weight.new_zeros(out_features, self.in_features + total)
         self.storage[:, :self.in_features].copy_(weight)
         linear.weight.data = self.storage[:, :self.in_features]
@@ -86,11 +101,12 @@ class LoraWeightBank:
     def region(self, owner: str) -> torch.Tensor:
         """``owner``'s columns ``[N, region width]``, a view written in place."""
         lo, hi = self._span(owner)
-        return self.storage[:, self.in_features + lo:self.in_features + hi]
+        return self.storage[:, self.base + lo:self.base + hi]
 
     def prefix(self, owner: str) -> torch.Tensor:
-        """The weight of ``owner``'s GEMM: ``[W | regions up to owner's]``, a view."""
-        return self.storage[:, :self.in_features + self.width(owner)]
+        """The weight of ``owner``'s GEMM: ``[W | regions up to owner's]``, a view (for a
+        quantized base, the B regions alone: ``[regions up to owner's]``)."""
+        return self.storage[:, :self.base + self.width(owner)]
 
     def shares_storage(self, t: torch.Tensor) -> bool:
         """Whether ``t`` is a view of this bank's storage."""

@@ -1,4 +1,5 @@
-"""Loading a model from a Hugging Face-style directory (config.json + safetensors)."""
+"""Loading a model from a checkpoint: a Hugging Face-style directory (config.json + safetensors,
+possibly quantized) or a GGUF file (see :mod:`tgraph.io.checkpoint`)."""
 from __future__ import annotations
 
 import logging
@@ -10,10 +11,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tgraph.errors import ConfigError, WeightLoadError
+from tgraph.io.checkpoint import open_checkpoint, read_config
 from tgraph.io.model_config import ModelConfig
 from tgraph.io.weights import SafetensorFileLoader
 from tgraph.models.base.llm_config import LlmConfig
 from tgraph.models.registry import load_module_map, resolve_model_class
+from tgraph.quant import is_quantized
 
 if TYPE_CHECKING:
     from tgraph.rules import Rule
@@ -60,17 +63,9 @@ class _PlacingLoader(SafetensorFileLoader):
         super().__init__(*args, **kwargs)
         self._device_of = device_of
 
-    def _finish(self, real: str, tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        # NOTE: the base class places every read on ``self.device`` in _finish; swap it for the
-        # duration of this one read.
+    def _device_for(self, real: str) -> torch.device:
         target = self._device_of(real)
-        if target is None or target == self.device:
-            return super()._finish(real, tensor, dtype)
-        default, self.device = self.device, target
-        try:
-            return super()._finish(real, tensor, dtype)
-        finally:
-            self.device = default
+        return self.device if target is None else target
 
 
 def _parse_rules(rules: str | Path | Sequence[Any]) -> list[Rule]:
@@ -90,7 +85,8 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
     """Build the model for a checkpoint directory, reading this rank's weights.
 
     Args:
-        model_dir: directory with ``config.json`` and ``*.safetensors``.
+        model_dir: directory with ``config.json`` and ``*.safetensors`` (quantized or not), or
+            a ``.gguf`` file.
         dtype, device: ``"auto"`` or explicit.
         max_model_len: longest sequence served (default: the model's max positions, capped at
             8192 to keep rotary tables and block tables small).
@@ -107,7 +103,7 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
     parsed = _parse_rules(rules) if rules is not None else None  # bad rules fail before loading
     if module_map is not None:
         load_module_map(module_map)
-    config = ModelConfig.from_dir(model_dir)
+    config = read_config(model_dir)
     cls = resolve_model_class(config)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, config, dev)
@@ -116,10 +112,13 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
                     world_size=world_size, **llm_options)
     loader_options = dict(device=dev, dtype=dt, rank=rank, world_size=world_size,
                           progress=progress)
+    make_loader = None
     if parsed is not None and any(r.device is not None for r in parsed):
-        loader = _PlacingLoader(model_dir, device_of=_rule_devices(parsed), **loader_options)
-    else:
-        loader = SafetensorFileLoader(model_dir, **loader_options)
+        devices = _rule_devices(parsed)
+
+        def make_loader(path, **options):
+            return _PlacingLoader(path, device_of=devices, **options)
+    _, loader = open_checkpoint(model_dir, config, make_loader, **loader_options)
     for name in loader.names():
         if name.endswith(_IGNORED_SUFFIXES):
             loader.mark_used(name)
@@ -161,6 +160,8 @@ class CheckReport:
     model_type: str = ""
     model_class: str = ""
     num_parameters: int = 0
+    resident_bytes: int = 0
+    schemes: dict[str, str] = field(default_factory=dict)  # weight name -> quantization
     problems: list[str] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
 
@@ -173,6 +174,9 @@ class CheckReport:
                  f"class: {self.model_class or '?'}"]
         if self.num_parameters:
             lines.append(f"parameters: {self.num_parameters:,}")
+            lines.append(f"resident weight bytes: {self.resident_bytes}")
+        for name, scheme in self.schemes.items():
+            lines.append(f"quantized: {name}: {scheme}")
         lines += [f"ERROR: {p}" for p in self.problems]
         lines += [f"UNUSED tensor: {u}" for u in self.unused]
         lines.append("OK" if self.ok else "FAILED")
@@ -181,26 +185,43 @@ class CheckReport:
 
 def check_model(model_dir: str | Path, module_map: str | Path | None = None) -> CheckReport:
     """Parse the config and check every expected weight is present with the right shape, and
-    that no checkpoint tensor is left unused. Weights are read onto the ``meta`` device."""
+    that no checkpoint tensor is left unused; report each quantized weight's scheme and the
+    bytes the weights take resident. Weights are read onto the ``meta`` device."""
     report = CheckReport(str(model_dir))
     try:
         if module_map is not None:
             load_module_map(module_map)
-        config = ModelConfig.from_dir(model_dir)
+        config = read_config(model_dir)
         report.model_type = config.model_type
         cls = resolve_model_class(config)
         report.model_class = cls.__name__
         llm = LlmConfig(config, dtype=torch.float32, device="meta",
                         max_model_len=min(config.max_position_embeddings, 64))
-        loader = SafetensorFileLoader(model_dir, device="meta", dtype=torch.float32,
-                                      progress=False)
+        _, loader = open_checkpoint(model_dir, config, device="meta", dtype=torch.float32,
+                                    progress=False)
         for name in loader.names():
             if name.endswith(_IGNORED_SUFFIXES):
                 loader.mark_used(name)
         model = cls(llm, loader)
-        report.num_parameters = sum(p.data.numel() for name, p in model.named_parameters()
-                                    if p.data is not None and ".rotary." not in f".{name}")
+        weights = [(name, p.data) for name, p in model.named_parameters()
+                   if p.data is not None and ".rotary." not in f".{name}"]
+        report.num_parameters = sum(w.numel() for _, w in weights)
+        report.resident_bytes = sum(w.nbytes if is_quantized(w) else w.numel() * w.element_size()
+                                    for _, w in _distinct(weights))
+        report.schemes = {name: w.scheme.describe(w.shape) for name, w in weights
+                          if is_quantized(w)}
         report.unused = loader.unused_names()
     except (ConfigError, WeightLoadError) as err:
         report.problems.append(str(err))
     return report
+
+
+def _distinct(weights: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """Each weight once (tied weights share their data)."""
+    seen: set[int] = set()
+    out = []
+    for name, w in weights:
+        if id(w) not in seen:
+            seen.add(id(w))
+            out.append((name, w))
+    return out

@@ -17,6 +17,7 @@ from tgraph.ir.ops.transfer import normalize_placement, placement_device
 from tgraph.ir.value import ValueKind
 from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
+from tgraph.quant import QuantizedWeight
 
 
 class Parameter(Tensor):
@@ -33,8 +34,9 @@ class Parameter(Tensor):
     def __init__(self, data: torch.Tensor | None = None, *, shape: tuple[int, ...] | None = None,
                  dtype: torch.dtype | None = None, name: str | None = None) -> None:
         if data is not None:
-            if not isinstance(data, torch.Tensor):
-                raise TypeError(f"Parameter data must be a torch.Tensor, got {type(data).__name__}")
+            if not isinstance(data, (torch.Tensor, QuantizedWeight)):
+                raise TypeError("Parameter data must be a torch.Tensor or a QuantizedWeight, got "
+                                f"{type(data).__name__}")
             shape, dtype = tuple(data.shape), data.dtype
         elif shape is None or dtype is None:
             raise TypeError("Parameter needs data, or both shape and dtype")
@@ -249,7 +251,8 @@ def apply_placement(root: Module, default: str | torch.device) -> list[str]:
             if first is None:
                 owner[id(param)] = (label, name)
                 data = param.data
-                if isinstance(data, torch.Tensor) and data.device.type != "meta":
+                if isinstance(data, (torch.Tensor, QuantizedWeight)) \
+                        and data.device.type != "meta":
                     target = placement_device(label)
                     if data.device != target:
                         param.data = data.to(target)

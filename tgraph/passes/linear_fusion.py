@@ -3,7 +3,8 @@
 - ``HorizontalLinear``: linears that read the same input (q/k/v, gate/up) become one GEMM on the
   concatenated weights; the outputs are split back as views. The concatenated weight is a new
   weight of the engine (its name joins the parts with ``+``); the engine's notes say which
-  weights it came from.
+  weights it came from. Quantized weights merge only where their schemes agree (the packed data
+  and scales are stacked, never dequantized); dense and quantized parts never merge.
 - ``LinearEpilogue``: a bias add, residual add or activation right after a linear is folded into
   one ``linear_epilogue`` (the matmul kernel applies it before writing).
 """
@@ -20,12 +21,14 @@ from tgraph.nn import functional as F
 from tgraph.nn.network_manager import recording
 from tgraph.passes.manager import Pass
 from tgraph.passes.pattern import Match, Pattern, PatternPass
+from tgraph.quant import QuantizedWeight, is_quantized
 
 MERGED_WEIGHTS = "merged_weights"
 
 
 def _mergeable(node: Node) -> bool:
-    if node.op != "linear" or node.attrs["transpose_a"] or not node.attrs["transpose_b"]:
+    if node.op != "linear" or node.attrs["transpose_a"] or not node.attrs["transpose_b"] \
+            or node.attrs.get("impl") is not None:
         return False
     w, bias = node.inputs[1], node.inputs[2]
     leaves = [w] + ([bias] if bias is not None else [])
@@ -42,9 +45,12 @@ class HorizontalLinear(Pass):
                 groups[node.inputs[0]].append(node)
         count = 0
         for x, nodes in groups.items():
-            nodes = [n for n in nodes if n.inputs[1].dtype == nodes[0].inputs[1].dtype
-                     and (n.inputs[2] is None) == (nodes[0].inputs[2] is None)]
-            if len(nodes) < 2:
+            first = nodes[0]
+            nodes = [n for n in nodes if n.inputs[1].dtype == first.inputs[1].dtype
+                     and (n.inputs[2] is None) == (first.inputs[2] is None)
+                     and _same_layout(n.inputs[1].data, first.inputs[1].data)]
+            data = [n.inputs[1].data for n in nodes]
+            if len(nodes) < 2 or (is_quantized(data[0]) and not QuantizedWeight.stackable(data)):
                 continue
             self._merge(net, x, nodes)
             count += 1
@@ -66,11 +72,21 @@ class HorizontalLinear(Pass):
     @staticmethod
     def _concat(net: Network, leaves: list[Value]) -> Value:
         name = "+".join(v.name for v in leaves)
-        data = torch.cat([v.data for v in leaves], dim=0)
+        if is_quantized(leaves[0].data):
+            data = QuantizedWeight.cat([v.data for v in leaves], name=name)
+        else:
+            data = torch.cat([v.data for v in leaves], dim=0)
         merged = net.value_cls.make(ValueKind.WEIGHT, name=name, dtype=data.dtype,
                                     shape=tuple(data.shape), data=data)
         net.annotations.setdefault(MERGED_WEIGHTS, {})[name] = [v.name for v in leaves]
         return merged
+
+
+def _same_layout(a: object, b: object) -> bool:
+    """Whether two weights' data stack into one: both dense, or quantized alike."""
+    if is_quantized(a) or is_quantized(b):
+        return is_quantized(a) and a.mergeable_with(b)
+    return True
 
 
 def _residual_check(m: Match) -> bool:

@@ -43,6 +43,7 @@ def _plain_linear(node: Node, x: Value) -> bool:
     """``node`` is a ``linear`` that reads ``x`` as its activations, in the GEMV's layout."""
     return (node.op == "linear" and node.inputs[0] is x and node.inputs[1] is not x
             and not node.attrs["transpose_a"] and node.attrs["transpose_b"]
+            and node.attrs.get("impl") is None
             and node.inputs[1].dtype == x.dtype)
 
 
@@ -96,6 +97,7 @@ class NormLinear(Pass):
         for x, residual in ((a, b), (b, a)):
             lin = x.producer
             if (lin is not None and lin.op == "linear" and not lin.attrs["transpose_a"]
+                    and lin.attrs.get("impl") is None
                     and net.users(x) == [node] and not net.is_output(x) and x is not residual):
                 break
         else:

@@ -436,13 +436,9 @@ def _eos_ids(config, tokenizer) -> list[int]:
 
 
 def _load_tokenizer(model_dir: str | Path):
-    path = Path(model_dir)
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
-                                             "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
+    from tgraph.io.checkpoint import load_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(path))
+    return load_tokenizer(model_dir)
 
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "RequestTooLongError"]

@@ -5,6 +5,7 @@ import torch
 
 from tgraph.ir.ops.registry import Meta, OpCategory, register_op, require, require_same_dtype
 from tgraph.ir.shape import ShapeRuleError, broadcast_shapes, dims_conflict, merge_dims
+from tgraph.quant import dense
 
 
 def _inner(k_a, k_b, what: str):
@@ -14,8 +15,12 @@ def _inner(k_a, k_b, what: str):
         raise ShapeRuleError(f"{what}: inner dims differ ({k_a} vs {k_b})") from None
 
 
+LINEAR_IMPLS = (None, "reference")
+
+
 def linear_infer(x: Meta, w: Meta, bias: Meta | None = None, *, transpose_a: bool = False,
-                  transpose_b: bool = True) -> Meta:
+                 transpose_b: bool = True, impl: str | None = None) -> Meta:
+    require(impl in LINEAR_IMPLS, f"linear: impl must be one of {LINEAR_IMPLS}, got {impl!r}")
     require_same_dtype(x, w, "linear input and weight")
     if w.shape is not None:
         require(len(w.shape) == 2, f"linear weight must be 2-D, got {w}")
@@ -37,7 +42,8 @@ def linear_infer(x: Meta, w: Meta, bias: Meta | None = None, *, transpose_a: boo
     return Meta(lead + (n,), x.dtype)
 
 
-def linear_reference(x, w, bias=None, *, transpose_a=False, transpose_b=True):
+def linear_reference(x, w, bias=None, *, transpose_a=False, transpose_b=True, impl=None):
+    w = dense(w, x.dtype)  # a quantized weight, dequantized per call
     a = x.t() if transpose_a else x
     b = w.t() if transpose_b else w
     out = a @ b
@@ -45,7 +51,9 @@ def linear_reference(x, w, bias=None, *, transpose_a=False, transpose_b=True):
 
 
 register_op("linear", infer=linear_infer, reference=linear_reference, category=OpCategory.LINALG,
-            doc="x @ w.T (+ bias) with torch.nn.Linear's weight layout by default")
+            doc="x @ w.T (+ bias) with torch.nn.Linear's weight layout by default; "
+                "impl='reference' asks every backend for the torch reference (a rule's choice "
+                "for a quantized weight), which passes leave unfused")
 
 
 def _matmul_infer(a: Meta, b: Meta) -> Meta:

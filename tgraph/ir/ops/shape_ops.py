@@ -1,6 +1,8 @@
 """Shape and memory ops: views (reshape, permute, slice...), split, cat, gather, contiguous."""
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from tgraph.ir.ops.registry import Meta, OpCategory, register_op, require, require_int
@@ -12,6 +14,7 @@ from tgraph.ir.shape import (
     normalize_dim,
     reshape_target,
 )
+from tgraph.quant import is_quantized
 
 
 def _reshape_infer(x: Meta, *, shape: tuple) -> Meta:
@@ -202,5 +205,11 @@ def _embedding_infer(ids: Meta, weight: Meta) -> Meta:
     return Meta(ids.shape + (weight.shape[1],), weight.dtype)
 
 
+def _embedding_ref(ids: torch.Tensor, weight: Any) -> torch.Tensor:
+    if is_quantized(weight):  # only the looked-up rows are dequantized
+        return weight.rows(ids.long())
+    return torch.nn.functional.embedding(ids.long(), weight)
+
+
 register_op("embedding", infer=_embedding_infer, category=OpCategory.MEMORY,
-            reference=lambda ids, weight: torch.nn.functional.embedding(ids.long(), weight))
+            reference=_embedding_ref)

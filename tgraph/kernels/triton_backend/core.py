@@ -20,6 +20,7 @@ from tgraph.kernels.triton_backend.common import (
     reference_into,
     rows,
 )
+from tgraph.quant import dense, is_quantized
 from tgraph.tuning import GemvTuning, Tuning
 
 __all__ = ["KERNELS"]
@@ -52,6 +53,9 @@ def swiglu_into(outs: Outs, gate_up):
 
 
 def embedding_into(outs: Outs, ids, weight):
+    if is_quantized(weight):  # the looked-up rows only, dequantized
+        outs[0].copy_(weight.rows(ids.long()))
+        return outs[0]
     from tgraph.kernels.triton.embedding import embedding
 
     embedding(ids.reshape(-1), weight, outs[0].view(-1, weight.shape[1]))
@@ -121,7 +125,15 @@ def paged_attention_into(outs: Outs, q, k_cache, v_cache, block_table, seq_len,
 
 def matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, bias, residual2,
                 transpose_b: bool, tuning: GemvTuning) -> None:
-    """``out2 = x2 @ w(.T) + bias + residual2`` through the small-M kernel or cuBLAS."""
+    """``out2 = x2 @ w(.T) + bias + residual2`` through the small-M kernel or cuBLAS, or the
+    quantized kernel for a quantized weight."""
+    if is_quantized(w):
+        if transpose_b:
+            from tgraph.kernels.triton.quant_linear import quant_linear
+
+            quant_linear(last_contiguous(x2), w, out2, bias=bias, residual=residual2)
+            return
+        w = dense(w, x2.dtype)  # a transposed quantized operand: no kernel takes it packed
     m, k = x2.shape
     n = w.shape[0] if transpose_b else w.shape[1]
     if transpose_b and (w.is_cuda or interpreted(x2)):
@@ -144,7 +156,7 @@ def matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, bias, res
 
 
 def linear_into(outs: Outs, x, w, bias=None, *, tuning: Tuning, transpose_a=False,
-                transpose_b=True):
+                transpose_b=True, impl=None):
     if transpose_a or x.dim() < 1:
         return reference_into("linear")(outs, x, w, bias, transpose_a=transpose_a,
                                         transpose_b=transpose_b)
@@ -173,7 +185,8 @@ def norm_linear_into(outs: Outs, x, norm_weight, w, bias=None, *, tuning: Tuning
     out2 = outs[0].view(-1, outs[0].shape[-1])
     x2 = rows(x)
     m, k = x2.shape
-    fused_ok = (norm_weight is None or norm_weight.dtype == x2.dtype) and w.stride(-1) == 1
+    fused_ok = (norm_weight is None or norm_weight.dtype == x2.dtype) and not is_quantized(w) \
+        and w.stride(-1) == 1
     if fused_ok and (w.is_cuda or interpreted(x2)):
         from tgraph.kernels.triton.gemv import prefer_small_m, small_m_linear
 
@@ -215,7 +228,15 @@ def to_device_into(outs: Outs, x: torch.Tensor, *, device: str) -> torch.Tensor:
     return outs[0]
 
 
+def _reference_impl(node) -> bool:
+    return node.attrs.get("impl") == "reference"
+
+
 KERNELS = (
+    # A linear a rule asked to run as the torch reference (a quantized weight dequantized per
+    # call); tried before the kernel entry below.
+    KernelSpec("linear", reference_into("linear"), supports=_reference_impl,
+               name="torch.linear"),
     KernelSpec("rms_norm", rms_norm_into),
     KernelSpec("add_rms_norm", add_rms_norm_into),
     KernelSpec("swiglu", swiglu_into),

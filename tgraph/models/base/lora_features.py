@@ -168,11 +168,16 @@ class _LoraFeature(FeatureDecorator):
             lead, width = bank.lead(self.name), bank.width(self.name)
 
             def forward(x: Tensor, linear: Any = linear, weight: Parameter = weight,
-                        a_name: str = a_name, lead: int = lead, width: int = width) -> Tensor:
+                        a_name: str = a_name, lead: int = lead, width: int = width,
+                        quantized: bool = bank.quantized) -> Tensor:
                 xcat = lora_shrink_concat(
                     x, inputs[a_name], inputs["lora_scaling"], inputs["lora_token_slots"],
                     inputs["lora_token_order"], inputs["lora_seg_start"], inputs["lora_counters"],
                     lead=lead, width=width)  # (tokens, in + width)
+                if quantized:  # the packed base weight and the dense B columns: two GEMMs
+                    k = linear.in_features
+                    xa = F.slice(xcat, -1, k, k + width)  # (tokens, width)
+                    return linear._linear(x, linear.weight, linear.bias) + F.linear(xa, weight)
                 return F.linear(xcat, weight, linear.bias)
 
             # NOTE: an instance attribute shadows the class's forward; exit_graph deletes it.

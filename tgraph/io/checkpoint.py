@@ -1,0 +1,91 @@
+"""Which reader opens a checkpoint: a Hugging Face directory (safetensors, possibly quantized:
+compressed-tensors, GPTQ, AWQ, FP8) or a GGUF file, each giving the model config, a
+:class:`~tgraph.io.weights.WeightLoader` and the tokenizer.
+
+Quantized formats are repacked at load into :mod:`tgraph.quant`'s layouts; a scheme or layout
+tgraph does not support is refused before any weight is read.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tgraph.errors import WeightLoadError
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import SafetensorFileLoader, WeightLoader
+
+__all__ = ["is_gguf", "load_tokenizer", "open_checkpoint", "quantization_of"]
+
+
+def is_gguf(path: str | Path) -> bool:
+    """Whether ``path`` names a GGUF file."""
+    p = Path(path)
+    if p.suffix.lower() == ".gguf":
+        return True
+    if not p.is_file():
+        return False
+    with p.open("rb") as f:
+        return f.read(4) == b"GGUF"
+
+
+def quantization_of(config: ModelConfig) -> dict[str, Any] | None:
+    """The ``quantization_config`` of a Hugging Face checkpoint's ``config.json``, if any."""
+    raw = config.hf_config.get("quantization_config") if config.hf_config else None
+    return dict(raw) if raw else None
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The model config of a checkpoint directory or GGUF file."""
+    if is_gguf(path):
+        from tgraph.io.gguf import gguf_model_config
+
+        return gguf_model_config(Path(path))
+    return ModelConfig.from_dir(path)
+
+
+def open_checkpoint(path: str | Path, config: ModelConfig | None = None,
+                    make_loader: Callable[..., WeightLoader] | None = None,
+                    **loader_options: Any) -> tuple[ModelConfig, WeightLoader]:
+    """The config and a weight loader of the checkpoint at ``path``.
+
+    Args:
+        path: a Hugging Face model directory or a ``.gguf`` file.
+        config: the config, when the caller read it already.
+        make_loader: builds the safetensors loader of a directory (default
+            :class:`SafetensorFileLoader`); e.g. one that places weights per device.
+        loader_options: device, dtype, rank, world_size, progress.
+
+    Raises:
+        WeightLoadError: an unsupported quantization scheme or layout (before any weight is read).
+    """
+    path = Path(path)
+    config = config or read_config(path)
+    if is_gguf(path):
+        from tgraph.io.gguf import GGUFLoader
+
+        return config, GGUFLoader(path, config, **loader_options)
+    loader = (make_loader or SafetensorFileLoader)(path, **loader_options)
+    quant = quantization_of(config)
+    if quant is not None:
+        from tgraph.io.hf_quant import register_hf_quantized
+
+        register_hf_quantized(loader, config, quant)
+    return config, loader
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The checkpoint's tokenizer (transformers), or ``None`` when it ships none."""
+    p = Path(path)
+    from transformers import AutoTokenizer
+
+    if is_gguf(p):
+        try:
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+        except Exception as err:  # a GGUF whose vocabulary transformers cannot rebuild
+            raise WeightLoadError(f"cannot build the tokenizer of {p} from its GGUF metadata: "
+                                  f"{err}") from err
+    if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
+                                          "tokenizer.model")):
+        return None
+    return AutoTokenizer.from_pretrained(str(p))

@@ -1,0 +1,744 @@
+"""GGUF files (llama.cpp's format): the model config from the metadata, and a weight loader that
+keeps quantized weights quantized.
+
+A GGUF file holds a header (metadata key/values, then a table of tensors: name, dims, ggml type,
+offset) and the tensor data. Tensors are named llama.cpp's way (``blk.0.attn_q.weight``) and
+dims are listed fastest-first, so a ``[K, N]`` GGUF tensor is torch's ``[N, K]`` weight.
+
+- :func:`gguf_model_config` maps the metadata of a Llama, Mistral, Qwen2 or Qwen3 file to the
+  Hugging Face config dict the families' builders read.
+- :class:`GGUFLoader` reads the tensors under their Hugging Face names. F32/F16/BF16 tensors
+  read as they are; ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K``, ``Q5_K`` and ``Q6_K`` are repacked
+  (:func:`repack_blocks`) into :mod:`tgraph.quant` layouts whose ``dequantize()`` is bit-identical
+  to ``gguf.quants.dequantize``; every other type is refused before any weight is read.
+- llama.cpp's converter permutes the q and k rows of Llama-architecture models (for its
+  interleaved rotary); the loader undoes it, on quantized rows too (rows move whole).
+
+NOTE: the header is parsed here rather than with ``gguf.GGUFReader``, which builds numpy views
+for every token string of the vocabulary (~170 MB for a 49k vocabulary: more than a small
+model's quantized weights). Tensor bytes are read with plain file reads, one tensor at a time, so
+a load holds the repacked weights plus one tensor's temporaries, never a memory map of the file.
+"""
+from __future__ import annotations
+
+import math
+import mmap
+import re
+import struct
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from tgraph.errors import ConfigError, WeightLoadError
+from tgraph.io.model_config import ModelConfig
+from tgraph.io.weights import Index, WeightLoader
+from tgraph.quant import QuantizedWeight, QuantScheme
+
+__all__ = ["DENSE_TYPES", "GGUFHeader", "GGUFLoader", "GGUFTensorInfo", "QUANTIZED_TYPES",
+           "SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "gguf_model_config", "gguf_to_hf_name",
+           "hf_config_of", "read_gguf_header", "repack_blocks"]
+
+Q = GGMLQuantizationType
+DENSE_TYPES: dict[Q, torch.dtype] = {Q.F32: torch.float32, Q.F16: torch.float16,
+                                     Q.BF16: torch.bfloat16}
+# ggml type -> the tgraph layout it is repacked into (exactly; see repack_blocks).
+QUANTIZED_TYPES: dict[Q, QuantScheme] = {
+    Q.Q4_0: QuantScheme("int4", (1, 32)),
+    Q.Q4_1: QuantScheme("int4", (1, 32), offsets=True),
+    Q.Q8_0: QuantScheme("int8", (1, 32)),
+    Q.Q4_K: QuantScheme("int4", (1, 32), offsets=True),
+    Q.Q5_K: QuantScheme("int8", (1, 32), offsets=True),
+    Q.Q6_K: QuantScheme("int8", (1, 16)),
+}
+SUPPORTED_TYPES = tuple(t.name for t in (*DENSE_TYPES, *QUANTIZED_TYPES))
+# general.architecture -> (HF model_type, HF architecture class).
+SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
+    "llama": ("llama", "LlamaForCausalLM"),
+    "mistral": ("mistral", "MistralForCausalLM"),
+    "qwen2": ("qwen2", "Qwen2ForCausalLM"),
+    "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+}
+# Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute).
+_PERMUTED_ARCHITECTURES = ("llama", "mistral")
+_GGUF_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+# Tensors the config consumes (Llama 3 rope factors): not weights of the model.
+_CONFIG_TENSORS = ("rope_freqs.weight",)
+
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+              "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
+
+# Metadata value types (GGUFValueType) of fixed width -> struct format.
+_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",
+            12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` ->
+    ``model.layers.3.self_attn.q_proj.weight``), or ``None`` for a name outside the map."""
+    base, _, kind = name.rpartition(".")
+    if kind not in ("weight", "bias"):
+        return None
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{kind}"
+    m = _BLOCK_RE.fullmatch(base)
+    if m is None or m[2] not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{kind}"
+
+
+# ------------------------------------------------------------------------------------ header
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One entry of a GGUF file's tensor table.
+
+    Attributes:
+        name: the GGUF name (``blk.0.attn_q.weight``).
+        shape: the torch shape (the GGUF dims reversed).
+        ggml_type: the storage type (an int when the ``gguf`` package does not know it).
+        offset: absolute byte offset of the data in the file.
+        nbytes: size of the data (-1 for a type the ``gguf`` package does not know).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: Q | int
+    offset: int
+    nbytes: int
+
+    @property
+    def type_name(self) -> str:
+        return self.ggml_type.name if isinstance(self.ggml_type, Q) else f"type {self.ggml_type}"
+
+    def describe(self) -> str:
+        return f"'{self.name}' ({self.type_name} {list(self.shape)})"
+
+
+class SkippedStrings:
+    """A metadata array of strings the config does not need (a vocabulary, merges): only its
+    length is kept."""
+
+    def __init__(self, count: int) -> None:
+        self.count = count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __repr__(self) -> str:
+        return f"<{self.count} strings>"
+
+
+@dataclass
+class GGUFHeader:
+    """The metadata and tensor table of a GGUF file (no tensor data).
+
+    Attributes:
+        path: the file.
+        version: the GGUF version (2 or 3).
+        metadata: key -> value; numeric arrays are numpy arrays, string arrays
+            :class:`SkippedStrings`.
+        tensors: GGUF name -> :class:`GGUFTensorInfo`, in file order.
+        file_size: the file's size in bytes.
+    """
+
+    path: Path
+    version: int
+    metadata: dict[str, Any]
+    tensors: dict[str, GGUFTensorInfo]
+    file_size: int
+
+    @property
+    def architecture(self) -> str:
+        return str(self.metadata.get("general.architecture", ""))
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the tensor data (what the file spends on weights)."""
+        return sum(max(t.nbytes, 0) for t in self.tensors.values())
+
+
+def read_gguf_header(path: str | Path) -> GGUFHeader:
+    """Parse a GGUF file's header and check that every tensor's data lies inside the file.
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Returns:
+        The header.
+
+    Raises:
+        WeightLoadError: not a GGUF file, an unsupported version or byte order, a corrupt or
+            truncated header, or a tensor whose data is cut off or inconsistent (named).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise WeightLoadError(f"GGUF file '{path}' does not exist")
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        if size < 24 or f.read(4) != b"GGUF":
+            raise WeightLoadError(f"'{path}' is not a GGUF file (it does not start with 'GGUF')")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+            try:
+                return _parse_header(path, blob, size)
+            except (struct.error, UnicodeDecodeError, OverflowError) as err:
+                raise WeightLoadError(f"'{path}': the GGUF header is truncated or corrupt "
+                                      f"({err})") from err
+
+
+def _parse_header(path: Path, blob: mmap.mmap, size: int) -> GGUFHeader:
+    (version,) = struct.unpack_from("<I", blob, 4)
+    if version & 0xFFFF == 0 and version:
+        raise WeightLoadError(f"'{path}' is a big-endian GGUF file; tgraph reads little-endian "
+                              "GGUF files only")
+    if version not in _GGUF_VERSIONS:
+        raise WeightLoadError(f"'{path}' is GGUF version {version}; supported versions: "
+                              f"{', '.join(map(str, _GGUF_VERSIONS))}")
+    tensor_count, kv_count = struct.unpack_from("<QQ", blob, 8)
+    pos = 24
+    metadata: dict[str, Any] = {}
+    for _ in range(kv_count):
+        key, pos = _read_string(blob, pos)
+        (value_type,) = struct.unpack_from("<I", blob, pos)
+        metadata[key], pos = _read_value(blob, pos + 4, value_type, key)
+    table = []
+    for _ in range(tensor_count):
+        name, pos = _read_string(blob, pos)
+        (n_dims,) = struct.unpack_from("<I", blob, pos)
+        dims = struct.unpack_from(f"<{n_dims}Q", blob, pos + 4)
+        pos += 4 + 8 * n_dims
+        raw_type, offset = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        table.append((name, dims, raw_type, offset))
+    alignment = int(metadata.get("general.alignment", _DEFAULT_ALIGNMENT))
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise WeightLoadError(f"'{path}': general.alignment {alignment} is not a power of two")
+    data_start = -(-pos // alignment) * alignment
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for name, dims, raw_type, offset in table:
+        info = _tensor_info(path, name, dims, raw_type, data_start + offset, size)
+        if name in tensors:
+            raise WeightLoadError(f"'{path}': tensor '{name}' is listed twice")
+        tensors[name] = info
+    return GGUFHeader(path, version, metadata, tensors, size)
+
+
+def _tensor_info(path: Path, name: str, dims: Sequence[int], raw_type: int, offset: int,
+                 size: int) -> GGUFTensorInfo:
+    try:
+        ggml_type: Q | int = Q(raw_type)
+    except ValueError:
+        ggml_type = raw_type
+    shape = tuple(int(d) for d in reversed(dims))
+    nbytes = -1
+    if isinstance(ggml_type, Q) and ggml_type in GGML_QUANT_SIZES:
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        row = int(dims[0]) if dims else 1
+        if row % block:
+            raise WeightLoadError(
+                f"'{path}': tensor '{name}' ({ggml_type.name} {list(shape)}) is inconsistent: "
+                f"its rows of {row} values are not whole {ggml_type.name} blocks of {block}")
+        nbytes = math.prod(shape) // block * type_size
+        if offset + nbytes > size:
+            raise WeightLoadError(
+                f"'{path}': tensor '{name}' ({ggml_type.name} {list(shape)}) needs bytes "
+                f"{offset}..{offset + nbytes} but the file ends at {size}: the file is truncated")
+    return GGUFTensorInfo(name, shape, ggml_type, offset, nbytes)
+
+
+def _read_string(blob: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", blob, pos)
+    end = pos + 8 + length
+    if end > len(blob):
+        raise struct.error(f"a string of {length} bytes at offset {pos} runs past the end")
+    return blob[pos + 8:end].decode("utf-8"), end
+
+
+def _read_value(blob: mmap.mmap, pos: int, value_type: int, key: str) -> tuple[Any, int]:
+    if value_type in _SCALARS:
+        fmt = "<" + _SCALARS[value_type]
+        (value,) = struct.unpack_from(fmt, blob, pos)
+        return value, pos + struct.calcsize(fmt)
+    if value_type == _STRING:
+        return _read_string(blob, pos)
+    if value_type == _ARRAY:
+        item_type, count = struct.unpack_from("<IQ", blob, pos)
+        pos += 12
+        if item_type in _SCALARS:
+            dtype = np.dtype("<" + _SCALARS[item_type])
+            end = pos + count * dtype.itemsize
+            if end > len(blob):
+                raise struct.error(f"metadata array '{key}' runs past the end of the file")
+            return np.frombuffer(blob, dtype, count, pos).copy(), end
+        if item_type == _STRING:
+            for _ in range(count):  # variable length: walk the length prefixes only
+                (length,) = struct.unpack_from("<Q", blob, pos)
+                pos += 8 + length
+            return SkippedStrings(count), pos
+        items = []
+        for _ in range(count):
+            value, pos = _read_value(blob, pos, item_type, key)
+            items.append(value)
+        return items, pos
+    raise struct.error(f"metadata key '{key}' has unknown value type {value_type}")
+
+
+def _read_bytes(handle: BinaryIO, info: GGUFTensorInfo, path: Path) -> np.ndarray:
+    """The tensor's bytes, in a fresh (writable) buffer."""
+    buf = np.empty(info.nbytes, dtype=np.uint8)
+    handle.seek(info.offset)
+    got = handle.readinto(buf)
+    if got != info.nbytes:
+        raise WeightLoadError(f"'{path}': tensor {info.describe()} is cut off: read {got} of "
+                              f"{info.nbytes} bytes (the file changed or is truncated)")
+    return buf
+
+
+# ------------------------------------------------------------------------------------ config
+def gguf_model_config(path: str | Path) -> ModelConfig:
+    """The model config of a GGUF file, from its metadata and tensor table.
+
+    Args:
+        path: the ``.gguf`` file.
+
+    Returns:
+        The parsed, validated config (``hf_config`` holds the Hugging Face dict built here).
+
+    Raises:
+        ConfigError: an unsupported architecture (the supported ones are listed) or missing keys.
+        WeightLoadError: the file is not a readable GGUF file.
+    """
+    header = read_gguf_header(path)
+    return ModelConfig.from_dict(hf_config_of(header), source=str(path))
+
+
+def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` dict a GGUF header describes.
+
+    Raises:
+        ConfigError: an unsupported architecture, a missing key, or rope factors that match no
+            supported rope scaling.
+    """
+    meta, tensors, arch = header.metadata, header.tensors, header.architecture
+    if int(meta.get("split.count", 1)) > 1:
+        raise ConfigError(f"'{header.path}' is part {int(meta.get('split.no', 0)) + 1} of a GGUF "
+                          f"split in {int(meta['split.count'])} files; tgraph reads single-file "
+                          "GGUF models (merge the parts with llama.cpp's llama-gguf-split --merge)")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(f"'{header.path}': GGUF architecture {arch!r} is not supported; "
+                          f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    model_type, arch_class = SUPPORTED_ARCHITECTURES[arch]
+    if arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
+        # llama.cpp converts Mistral models as "llama"; the name tells them apart.
+        model_type, arch_class = SUPPORTED_ARCHITECTURES["mistral"]
+
+    def key(name: str, default: Any = ConfigError) -> Any:
+        full = f"{arch}.{name}"
+        if full not in meta:
+            if default is ConfigError:
+                raise ConfigError(f"'{header.path}': the GGUF metadata has no '{full}'")
+            return default
+        return meta[full]
+
+    heads = _one_int(key("attention.head_count"), f"{arch}.attention.head_count")
+    kv_heads = _one_int(key("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv")
+    hidden = int(key("embedding_length"))
+    q = tensors.get("blk.0.attn_q.weight")
+    head_dim = key("attention.key_length", None)
+    if head_dim is None:
+        head_dim = q.shape[0] // heads if q is not None else hidden // heads
+    head_dim = int(head_dim)
+    embed = tensors.get("token_embd.weight")
+    tokens = meta.get("tokenizer.ggml.tokens")
+    vocab = embed.shape[0] if embed is not None else key(
+        "vocab_size", len(tokens) if tokens is not None else ConfigError)
+    d: dict[str, Any] = {
+        "model_type": model_type,
+        "architectures": [arch_class],
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(key("feed_forward_length")),
+        "num_hidden_layers": int(key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
+        "rope_theta": float(key("rope.freq_base", 10000.0)),
+        "max_position_embeddings": int(key("context_length", 2048)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "torch_dtype": _checkpoint_dtype(tensors.values()),
+    }
+    rope_dim = int(key("rope.dimension_count", head_dim))
+    if rope_dim != head_dim:
+        d["partial_rotary_factor"] = rope_dim / head_dim
+    if model_type == "llama" and "blk.0.attn_q.bias" in tensors:
+        d["attention_bias"] = True
+    window = key("attention.sliding_window", None)
+    if window is not None and model_type == "mistral":
+        d["sliding_window"] = int(window)
+    scaling = _rope_scaling(header, key, head_dim, float(d["rope_theta"]))
+    if scaling is not None:
+        d["rope_scaling"] = scaling
+    for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("pad_token_id",
+                                                                "padding_token_id")):
+        value = meta.get(f"tokenizer.ggml.{gguf_key}")
+        if value is not None:
+            d[hf_key] = int(value)
+    # llama.cpp stops at EOS and at the end-of-turn / end-of-message tokens (Llama 3 chat).
+    eos = [int(meta[f"tokenizer.ggml.{k}"]) for k in ("eos_token_id", "eot_token_id",
+                                                       "eom_token_id")
+           if meta.get(f"tokenizer.ggml.{k}") is not None]
+    if eos:
+        d["eos_token_id"] = eos[0] if len(eos) == 1 else list(dict.fromkeys(eos))
+    return d
+
+
+def _one_int(value: Any, key: str) -> int:
+    """A head count: an int, or a per-layer array whose layers agree."""
+    if isinstance(value, np.ndarray):
+        distinct = sorted({int(v) for v in value.tolist()})
+        if len(distinct) != 1:
+            raise ConfigError(f"'{key}' differs between layers ({distinct}); tgraph needs the "
+                              "same head count in every layer")
+        return distinct[0]
+    return int(value)
+
+
+def _checkpoint_dtype(tensors: Collection[GGUFTensorInfo]) -> str:
+    """The dtype a GPU run computes in: the file's half type, else bf16 (quantized files)."""
+    kinds = {t.ggml_type for t in tensors if len(t.shape) == 2}
+    if kinds and kinds <= {Q.F32}:
+        return "float32"
+    if Q.F16 in kinds and Q.BF16 not in kinds:
+        return "float16"
+    return "bfloat16"
+
+
+def _rope_scaling(header: GGUFHeader, key: Any, head_dim: int,
+                  theta: float) -> dict[str, Any] | None:
+    kind = key("rope.scaling.type", None)
+    if kind in ("linear", "yarn"):
+        scaling: dict[str, Any] = {"rope_type": kind,
+                                   "factor": float(key("rope.scaling.factor"))}
+        original = key("rope.scaling.original_context_length", None)
+        if original is not None:
+            scaling["original_max_position_embeddings"] = int(original)
+        return scaling
+    if kind not in (None, "none"):
+        raise ConfigError(f"'{header.path}': rope scaling type {kind!r} is not supported; "
+                          "supported: linear, yarn, and Llama 3's rope_freqs.weight")
+    freqs = header.tensors.get("rope_freqs.weight")
+    if freqs is None:
+        return None
+    with header.path.open("rb") as f:
+        factors = _read_bytes(f, freqs, header.path).view(np.float32).astype(np.float64)
+    return _fit_llama3(header.path, factors, head_dim, theta,
+                       int(key("context_length", 8192)))
+
+
+def _llama3_factors(dim: int, theta: float, factor: float, low: float, high: float,
+                    original: float) -> np.ndarray:
+    """The per-frequency divisors llama.cpp's converter writes as ``rope_freqs.weight``."""
+    freqs = 1.0 / (theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim))
+    wavelen = 2 * math.pi / freqs
+    smooth = (original / wavelen - low) / (high - low)
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    return np.where(wavelen < original / high, 1.0,
+                    np.where(wavelen > original / low, factor, blended))
+
+
+def _fit_llama3(path: Path, factors: np.ndarray, dim: int, theta: float,
+                context: int) -> dict[str, Any] | None:
+    """Llama 3's rope scaling parameters that reproduce ``rope_freqs.weight``.
+
+    The file stores only the resulting per-frequency factors; every Llama 3.x release uses
+    low_freq_factor 1 and high_freq_factor 4, so only the original context is searched.
+    """
+    if factors.shape != (dim // 2,):
+        raise ConfigError(f"'{path}': rope_freqs.weight has {factors.size} values, expected "
+                          f"{dim // 2} (head_dim / 2)")
+    if np.all(factors == 1.0):
+        return None
+    factor = float(factors.max())
+    for original in (8192, context, 4096, 2048, 16384, 32768, 65536, 131072):
+        expect = _llama3_factors(dim, theta, factor, 1.0, 4.0, original)
+        if np.allclose(factors, expect, rtol=1e-5, atol=0):
+            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": original}
+    raise ConfigError(f"'{path}': rope_freqs.weight holds rope factors that match no Llama 3 "
+                      "rope scaling (low_freq_factor 1, high_freq_factor 4); other per-frequency "
+                      "factors are not supported")
+
+
+# ---------------------------------------------------------------------------------- repacking
+def _f16(b: np.ndarray) -> np.ndarray:
+    """``(n, 2)`` uint8 little-endian halves -> ``(n,)`` fp32."""
+    return np.ascontiguousarray(b).view(np.float16)[:, 0].astype(np.float32)
+
+
+def _pack_int4(codes: np.ndarray) -> np.ndarray:
+    """``(n, 2m)`` codes in [0, 15] -> ``(n, m)`` bytes, the even column in the low nibble."""
+    return codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
+
+
+def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
+    """GGUF 4-bit codes of ``(n, bytes)``: each ``chunk`` bytes hold ``chunk`` values in their
+    low nibbles, then the next ``chunk`` values in their high nibbles."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(n, -1)
+
+
+def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of a Q4_K / Q5_K super-block (12 bytes), as ggml packs them."""
+    n = scales.shape[0]
+    d, m, m_d = np.split(scales.reshape(n, 3, 4), 3, axis=-2)
+    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.reshape(n, 8).astype(np.float32), mn.reshape(n, 8).astype(np.float32)
+
+
+def _repack_q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    return _pack_int4(_nibbles(b[:, 2:], 16)), _f16(b[:, 0:2])[:, None], None
+
+
+def _repack_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # w = d * q + m
+    return _pack_int4(_nibbles(b[:, 4:], 16)), _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
+
+
+def _repack_q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    return np.ascontiguousarray(b[:, 2:]).view(np.int8), _f16(b[:, 0:2])[:, None], None
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    # w = (d * sc) * q - (dmin * m), per 32 values
+    sc, mn = _k_scale_min(b[:, 4:16])
+    return _f16(b[:, 0:2])[:, None] * sc, -(_f16(b[:, 2:4])[:, None] * mn)
+
+
+def _repack_q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale, offset = _k_scales(b)
+    return _pack_int4(_nibbles(b[:, 16:], 32)), scale, offset
+
+
+def _repack_q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    scale, offset = _k_scales(b)
+    n = b.shape[0]
+    low = _nibbles(b[:, 48:], 32)
+    bits = b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    high = (bits & np.uint8(1)).reshape(n, -1)
+    return (low | (high << np.uint8(4))).view(np.int8), scale, offset
+
+
+def _repack_q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    # w = (d * scale) * (q - 32), per 16 values
+    n = b.shape[0]
+    low = _nibbles(b[:, :128], 64)
+    bits = b[:, 128:192].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
+        1, 1, 4, 1)
+    high = (bits & np.uint8(3)).reshape(n, -1)
+    codes = (low | (high << np.uint8(4))).view(np.int8) - np.int8(32)
+    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
+    return codes, _f16(b[:, 208:210])[:, None] * scales, None
+
+
+_REPACK = {Q.Q4_0: _repack_q4_0, Q.Q4_1: _repack_q4_1, Q.Q8_0: _repack_q8_0,
+           Q.Q4_K: _repack_q4_k, Q.Q5_K: _repack_q5_k, Q.Q6_K: _repack_q6_k}
+
+
+def repack_blocks(data: np.ndarray, ggml_type: Q, shape: Sequence[int],
+                  rows: np.ndarray | None = None, dtype: torch.dtype = torch.float32,
+                  name: str = "weight") -> QuantizedWeight:
+    """GGUF blocks of a ``[N, K]`` weight as a :class:`QuantizedWeight`, exactly.
+
+    Each type keeps its own arithmetic in fp32 (scales are fp16 values or products of an fp16 and
+    a small integer, exact in fp32), so ``dequantize()`` equals ``gguf.quants.dequantize`` bit for
+    bit: ``Q4_0`` -> int4 sym g32 (``d * (q - 8)``); ``Q4_1`` -> int4 g32 with offsets
+    (``d * q + m``); ``Q8_0`` -> int8 sym g32; ``Q4_K`` -> int4 g32 with offsets
+    (``(d * sc) * q - dmin * m``); ``Q5_K`` -> int8 g32 with offsets (5-bit codes); ``Q6_K`` ->
+    int8 sym g16 (codes ``q - 32``).
+
+    Args:
+        data: the tensor's bytes, ``uint8`` (any shape holding ``N * K / block * type_size``).
+        ggml_type: one of :data:`QUANTIZED_TYPES`.
+        shape: the logical ``[N, K]``.
+        rows: optional row order (``out[i] = in[rows[i]]``), e.g. to undo a permutation.
+        dtype: the logical (compute) dtype of the weight.
+        name: the weight's name, for errors.
+
+    Returns:
+        The weight, on the CPU.
+
+    Raises:
+        WeightLoadError: an unsupported type, or data of the wrong size.
+    """
+    if ggml_type not in _REPACK:
+        raise WeightLoadError(f"tensor '{name}' is {getattr(ggml_type, 'name', ggml_type)}; "
+                              f"supported types: {', '.join(SUPPORTED_TYPES)}")
+    n, k = (int(s) for s in shape)
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    want = n * k // block * type_size
+    if k % block or data.size != want:
+        raise WeightLoadError(f"tensor '{name}' ({ggml_type.name} [{n}, {k}]) has {data.size} "
+                              f"bytes, expected {want}")
+    blocks = data.reshape(n * (k // block), type_size)
+    qdata, scale, offset = _REPACK[ggml_type](blocks)
+    scheme = QUANTIZED_TYPES[ggml_type]
+    group = scheme.block[1]
+    parts = [qdata.reshape(n, -1), scale.reshape(n, k // group),
+             None if offset is None else offset.reshape(n, k // group)]
+    if rows is not None:
+        parts = [None if p is None else p[rows] for p in parts]
+    qt, st, ot = (None if p is None else torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
+    return QuantizedWeight(scheme, qt, st, ot, dtype, name)
+
+
+def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
+    """The row order that undoes llama.cpp's ``permute(w, n_head, n_head_kv)``: within each
+    head, rows ``(i, j)`` of a ``(head_dim / 2, 2)`` grid go back to ``(j, i)``."""
+    return np.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(0, 2, 1).reshape(-1)
+
+
+# ------------------------------------------------------------------------------------ loader
+class GGUFLoader(WeightLoader):
+    """Reads a GGUF file's tensors under their Hugging Face names (see the module doc).
+
+    Quantized tensors are registered with :meth:`register_quantized`: reading one repacks its
+    blocks (never dequantizing); F32/F16/BF16 tensors read as they are, to the loader's dtype.
+    Every tensor type is checked when the loader is made, before any weight is read.
+
+    Args:
+        path: the ``.gguf`` file.
+        config: its model config (:func:`gguf_model_config`): the head counts for the q/k rows.
+        device: where every returned tensor is placed.
+        dtype: dtype floating-point tensors (and quantized weights' logical dtype) take.
+        rank: tensor-parallel rank, default of :meth:`get_sharded`.
+        world_size: tensor-parallel world size, default of :meth:`get_sharded`.
+        progress: force the progress bar on/off; ``None`` shows it above 1 GB.
+
+    Raises:
+        WeightLoadError: the file is unreadable or truncated, or a tensor's type is not supported
+            (the tensor, its type and the supported types are named).
+    """
+
+    def __init__(self, path: str | Path, config: ModelConfig, device: str | torch.device = "cpu",
+                 dtype: torch.dtype | None = None, rank: int = 0, world_size: int = 1,
+                 progress: bool | None = None) -> None:
+        super().__init__(device, dtype, rank, world_size, progress)
+        self.path = Path(path)
+        self.header = read_gguf_header(self.path)
+        arch = self.header.architecture
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise WeightLoadError(f"'{self.path}': GGUF architecture {arch!r} is not supported; "
+                                  f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        permuted = arch in _PERMUTED_ARCHITECTURES
+        self._handle: BinaryIO | None = None
+        self._infos: dict[str, GGUFTensorInfo] = {}
+        self._heads: dict[str, int] = {}  # names whose rows llama.cpp permuted -> head count
+        refused = []
+        for gguf_name, info in self.header.tensors.items():
+            if gguf_name in _CONFIG_TENSORS:
+                continue
+            name = gguf_to_hf_name(gguf_name) or gguf_name
+            self._infos[name] = info
+            if info.ggml_type not in DENSE_TYPES and info.ggml_type not in QUANTIZED_TYPES:
+                refused.append(info)
+            if permuted and re.fullmatch(r"blk\.\d+\.attn_[qk]\.(weight|bias)", gguf_name):
+                self._heads[name] = (config.num_attention_heads if ".attn_q." in gguf_name
+                                     else config.num_key_value_heads)
+        if refused:
+            shown = ", ".join(i.describe() for i in refused[:4])
+            more = f" and {len(refused) - 4} more" if len(refused) > 4 else ""
+            raise WeightLoadError(
+                f"'{self.path}': tensor {shown}{more} use a GGUF type tgraph does not support; "
+                f"supported types: {', '.join(SUPPORTED_TYPES)}")
+        for name, info in self._infos.items():
+            if info.ggml_type in QUANTIZED_TYPES:
+                if len(info.shape) != 2:
+                    raise WeightLoadError(f"'{self.path}': tensor {info.describe()} is "
+                                          "quantized but not a 2-D weight")
+                self.register_quantized(name, info.shape, partial(self._build, name, info))
+
+    # ------------------------------------------------------------------------------ reads
+    def _file(self) -> BinaryIO:
+        if self._handle is None:
+            self._handle = self.path.open("rb")
+        return self._handle
+
+    def _row_order(self, name: str, rows: int) -> np.ndarray | None:
+        heads = self._heads.get(name)
+        if heads is None:
+            return None
+        if rows % (2 * heads):
+            raise WeightLoadError(f"tensor '{name}' has {rows} rows, not a whole number of "
+                                  f"{heads} heads of even size")
+        return _unpermute_rows(rows, heads)
+
+    def _build(self, name: str, info: GGUFTensorInfo) -> QuantizedWeight:
+        dtype = self.dtype or torch.float32
+        scheme = QUANTIZED_TYPES[info.ggml_type]
+        n, k = info.shape
+        if self.device.type == "meta":  # shapes only (check-model): no bytes are read
+            groups = k // scheme.block[1]
+            meta = partial(torch.empty, device="meta")
+            return QuantizedWeight(scheme, meta(n, scheme.packed_cols(k),
+                                                dtype=scheme.storage_dtype),
+                                   meta(n, groups, dtype=torch.float32),
+                                   meta(n, groups, dtype=torch.float32) if scheme.offsets
+                                   else None, dtype, name)
+        data = _read_bytes(self._file(), info, self.path)
+        return repack_blocks(data, info.ggml_type, info.shape, self._row_order(name, n), dtype,
+                             name)
+
+    def _read(self, name: str, index: Index | None) -> torch.Tensor:
+        info = self._infos[name]
+        if info.ggml_type not in DENSE_TYPES:
+            raise WeightLoadError(f"'{self.path}': tensor {info.describe()} cannot be read; "
+                                  f"supported types: {', '.join(SUPPORTED_TYPES)}")
+        dtype = DENSE_TYPES[info.ggml_type]
+        if self.device.type == "meta":
+            t = torch.empty(info.shape, dtype=dtype, device="meta")
+        else:
+            raw = _read_bytes(self._file(), info, self.path)
+            t = torch.from_numpy(raw).view(dtype).reshape(info.shape)
+            order = self._row_order(name, info.shape[0])
+            if order is not None:
+                t = t[torch.from_numpy(order)]
+        return t if index is None else t[index]
+
+    # ------------------------------------------------------------------------- hook impls
+    def _names(self) -> Sequence[str]:
+        return list(self._infos)
+
+    def _name_set(self) -> Collection[str]:
+        return self._infos
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return self._infos[name].shape
+
+    def _describe_sources(self) -> str:
+        return f"{self.path} (GGUF, {len(self.header.tensors)} tensors)"
+
+    def _total_bytes(self) -> int:
+        return self.header.file_size
+
+    def close(self) -> None:
+        """Close the file and the progress bar."""
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+        super().close()
