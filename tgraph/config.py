@@ -184,6 +184,8 @@ SCHEMA: dict[str, Any] = {
             ),
             "gpu_memory_utilization": Field(_fraction(),
                                             "fraction of GPU memory the engine may use"),
+            "prefix_caching": Field(
+                _bool(), "reuse the KV-cache blocks of prompt prefixes already computed"),
         },
         "scheduler": {
             "max_num_seqs": Field(_int(1), "most sequences in one batch"),

@@ -1,10 +1,12 @@
 """Tests of the continuous-batching scheduler, driven by a fake deterministic model.
 
-The fake model keeps a fake paged KV cache: it writes every scheduled token into the slot the
-scheduler gave it, and to sample it reads the whole context back through the block table row. Its
-next token is a hash of that context, so a wrong slot, a block shared by two requests, a missed
-recompute after preemption or a skipped chunk changes the generated tokens, and the test that
-compares them with a plain one-request-at-a-time loop fails.
+The fake model keeps a fake paged KV cache that behaves like a real one: the entry it writes at
+position ``p`` is a running hash of the adapter and every token up to ``p``, computed from the
+entry at ``p - 1`` that it reads back through the block table (as attention reads the cached
+keys and values). Its next token comes from the last entry, so a wrong slot, a block written by
+two requests, a reused block whose content is another prefix's, a missed recompute after
+preemption or a skipped chunk changes the generated tokens, and the test that compares them with
+a plain one-request-at-a-time loop fails; every read also checks the entry it finds.
 """
 
 from __future__ import annotations
@@ -24,12 +26,28 @@ VOCAB = 13
 EOS = 0
 
 
-def next_token(context: list[int]) -> int:
-    """The fake model: a deterministic function of every token so far, in order."""
-    h = 17
+def kv_seed(lora: str | None) -> int:
+    """The fake KV state before the first token: the adapter changes every entry."""
+    return 17 if lora is None else 17 + sum(map(ord, lora))
+
+
+def kv_entry(prev: int, token: int) -> int:
+    """The fake KV entry of a token, from the entry before it."""
+    return (prev * 1_000_003 + token + 1) % 2_147_483_647
+
+
+def kv_entries(context: list[int], lora: str | None = None) -> list[int]:
+    """The fake KV entries of a whole context, computed without any cache."""
+    out, h = [], kv_seed(lora)
     for t in context:
-        h = (h * 1_000_003 + t + 1) % 2_147_483_647
-    return h % VOCAB
+        h = kv_entry(h, t)
+        out.append(h)
+    return out
+
+
+def next_token(context: list[int], lora: str | None = None) -> int:
+    """The fake model: a deterministic function of the adapter and every token so far."""
+    return kv_entries(context, lora)[-1] % VOCAB
 
 
 @dataclass(frozen=True)
@@ -42,10 +60,17 @@ class Spec:
     eos: tuple[int, ...] = (EOS,)
     stop: tuple[int, ...] = ()
     ignore_eos: bool = False
+    lora: str | None = None
 
     def build(self) -> Request:
         return Request(
-            self.rid, list(self.prompt), self.max_tokens, self.eos, self.stop, self.ignore_eos
+            self.rid,
+            list(self.prompt),
+            self.max_tokens,
+            self.eos,
+            self.stop,
+            self.ignore_eos,
+            lora=self.lora,
         )
 
 
@@ -53,7 +78,7 @@ def reference(spec: Spec) -> tuple[list[int], FinishReason]:
     """Generate for one request with a plain loop: no scheduler, no cache."""
     tokens, out = list(spec.prompt), []
     while True:
-        t = next_token(tokens)
+        t = next_token(tokens, spec.lora)
         tokens.append(t)
         out.append(t)
         if t in spec.stop or (not spec.ignore_eos and t in spec.eos):
@@ -63,41 +88,51 @@ def reference(spec: Spec) -> tuple[list[int], FinishReason]:
 
 
 class FakeModel:
-    """Writes tokens into a fake paged cache and samples from what it reads back."""
+    """Writes chained KV entries into a fake paged cache and samples from what it reads back."""
 
     def __init__(self, allocator: BlockAllocator) -> None:
         self.bs = allocator.block_size
-        # slot -> (request id, incarnation, position, token); the incarnation (preemption count)
-        # makes data left by a request before its preemption unreadable after it
-        self.cache: list[tuple[str, int, int, int] | None] = [None] * allocator.capacity_tokens
+        self.cache: list[tuple[int, int] | None] = [None] * allocator.capacity_tokens  # (pos, kv)
+        self.computed_tokens: dict[str, int] = {}  # tokens written per request id
+
+    def read(self, s, pos: int) -> int:
+        entry = self.cache[s.block_table[pos // self.bs] * self.bs + pos % self.bs]
+        assert entry is not None and entry[0] == pos, f"{s.request_id} pos {pos} reads {entry}"
+        return entry[1]
 
     def step(self, out: SchedulerOutput) -> dict[str, int]:
         for s in out.scheduled:
-            tag = (s.request_id, s.request.num_preemptions)
+            h = kv_seed(s.lora) if s.start == 0 else self.read(s, s.start - 1)
             for tok, pos, slot in zip(s.token_ids, s.position_ids, s.slots_mapping, strict=True):
-                self.cache[slot] = (*tag, pos, tok)
+                h = kv_entry(h, tok)
+                self.cache[slot] = (pos, h)
+            self.computed_tokens[s.request_id] = (
+                self.computed_tokens.get(s.request_id, 0) + s.query_len
+            )
         sampled = {}
         for s in out.scheduled:
-            tag = (s.request_id, s.request.num_preemptions)
-            context = []
-            for pos in range(s.seq_len):
-                entry = self.cache[s.block_table[pos // self.bs] * self.bs + pos % self.bs]
-                assert entry is not None and entry[:3] == (*tag, pos), (
-                    f"{s.request_id} position {pos} reads {entry}"
-                )
-                context.append(entry[3])
+            expected = kv_entries(s.request.all_token_ids[: s.seq_len], s.lora)
+            got = [self.read(s, pos) for pos in range(s.seq_len)]
+            assert got == expected, f"{s.request_id} reads a wrong KV entry"
             # NOTE: a token is sampled for every row, like a runner that samples the whole batch;
             # the scheduler must ignore the ones of unfinished prefill chunks
-            sampled[s.request_id] = next_token(context)
+            sampled[s.request_id] = got[-1] % VOCAB
         return sampled
 
 
 def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
     """Invariants that must hold right after every schedule()."""
     alloc = sched.allocator
-    held = [b for r in sched.running for b in r.block_table.block_ids]
-    assert len(held) == len(set(held)), "a block is owned by two running requests"
+    bs = alloc.block_size
+    held: dict[int, int] = {}
+    for r in sched.running:
+        ids = r.block_table.block_ids
+        assert len(ids) == len(set(ids)), f"{r.request_id} holds a block twice"
+        for b in ids:
+            held[b] = held.get(b, 0) + 1
+    assert all(alloc.ref_count(b) == n for b, n in held.items()), "a reference count is wrong"
     assert len(held) + alloc.num_free == alloc.num_blocks, "a block leaked"
+    assert alloc.num_used == len(held)
     assert all(r.block_table is None for r in sched.waiting)
     assert [r.arrival for r in sched.waiting] == sorted(r.arrival for r in sched.waiting)
     assert [r.arrival for r in sched.running] == sorted(r.arrival for r in sched.running)
@@ -115,9 +150,10 @@ def check_step(sched: Scheduler, out: SchedulerOutput) -> None:
         )
         assert s.token_ids == r.all_token_ids[s.start : s.seq_len]
         assert s.needs_logits == (s.seq_len == r.num_tokens)
-        bs = alloc.block_size
         assert s.slots_mapping == [s.block_table[p // bs] * bs + p % bs for p in s.position_ids]
         assert len(s.block_table) * bs >= s.seq_len
+        # a shared (cached) block is full: nobody writes into it again
+        assert all(alloc.ref_count(slot // bs) == 1 for slot in s.slots_mapping)
     assert not {s.request_id for s in out.scheduled} & {r.request_id for r in out.preempted}
 
 
@@ -141,6 +177,7 @@ def assert_matches_reference(sched: Scheduler, specs: list[Spec]) -> None:
     assert got == {s.rid: reference(s) for s in specs}
     assert all(r.block_table is None and r.status is RequestStatus.FINISHED for r in sched.finished)
     assert sched.allocator.num_free == sched.allocator.num_blocks
+    assert sched.allocator.num_used == 0
 
 
 def prompt(seed: int, n: int) -> tuple[int, ...]:
@@ -178,7 +215,10 @@ def test_more_requests_than_the_cache_holds_match_solo_runs_and_preempt():
 def test_preempted_request_goes_to_front_and_is_recomputed_from_its_tokens():
     specs = [Spec(f"r{i}", prompt(i, 3), 6, ignore_eos=True) for i in range(3)]
     alloc = BlockAllocator(num_blocks=4, block_size=2)
-    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=16)
+    # without the prefix cache, which could hand r1 its own blocks back (tested below)
+    sched = Scheduler(
+        alloc, max_num_seqs=4, max_num_batched_tokens=8, max_model_len=16, prefix_caching=False
+    )
     reqs = [s.build() for s in specs]
     for r in reqs:
         sched.add_request(r)
@@ -308,24 +348,30 @@ def test_max_num_seqs_is_respected():
     assert_matches_reference(sched, specs)
 
 
-@settings(max_examples=150, deadline=None)
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@settings(max_examples=120, deadline=None)
 @given(
     block_size=st.sampled_from([1, 2, 4]),
     num_blocks=st.integers(2, 10),
     max_num_seqs=st.integers(1, 4),
     budget=st.integers(1, 12),
+    shared=st.integers(0, 9),
     reqs=st.lists(
-        st.tuples(st.integers(1, 10), st.integers(1, 8), st.booleans()), min_size=1, max_size=6
+        st.tuples(st.integers(1, 10), st.integers(1, 8), st.booleans(), st.booleans()),
+        min_size=1,
+        max_size=6,
     ),
 )
 def test_random_workloads_give_the_same_tokens_as_solo_runs(
-    block_size, num_blocks, max_num_seqs, budget, reqs
+    prefix_caching, block_size, num_blocks, max_num_seqs, budget, shared, reqs
 ):
     alloc = BlockAllocator(num_blocks, block_size)
-    sched = Scheduler(alloc, max_num_seqs, budget, max_model_len=16)
+    sched = Scheduler(alloc, max_num_seqs, budget, max_model_len=16, prefix_caching=prefix_caching)
     accepted = []
-    for i, (n, max_tokens, ignore_eos) in enumerate(reqs):
-        spec = Spec(f"r{i}", prompt(i, n), max_tokens, ignore_eos=ignore_eos)
+    for i, (n, max_tokens, ignore_eos, lora) in enumerate(reqs):
+        # the first ``shared`` tokens are common to every prompt, so the prefix cache gets hits
+        tokens = (prompt(0, shared) + prompt(i + 1, n))[:n]
+        spec = Spec(f"r{i}", tokens, max_tokens, ignore_eos=ignore_eos, lora="a" if lora else None)
         if n + max_tokens > 16 or n + max_tokens - 1 > alloc.capacity_tokens:
             with pytest.raises(RequestTooLongError):
                 sched.add_request(spec.build())
@@ -334,6 +380,180 @@ def test_random_workloads_give_the_same_tokens_as_solo_runs(
             accepted.append(spec)
     run(sched)
     assert_matches_reference(sched, accepted)
+    stats = sched.stats()
+    assert stats.prefix_cache_hits <= stats.prefix_cache_queries
+    if not prefix_caching:
+        assert stats.prefix_cache_queries == 0 and alloc.num_cached == 0
+
+
+# ------------------------------------------------------------------ prefix caching
+
+
+def prefill_plan(outputs: list[SchedulerOutput], rid: str) -> list[tuple[int, int]]:
+    """(start, query_len) of every prefill chunk of one request."""
+    return [(p.start, p.query_len) for o in outputs for p in o.prefills if p.request_id == rid]
+
+
+def test_a_later_request_reuses_the_longest_cached_prefix():
+    system = prompt(5, 10)  # two full blocks of 4, and 2 tokens of a third
+    first = Spec("first", system + (1, 2, 3), 3, ignore_eos=True)
+    second = Spec("second", system + (4, 5), 3, ignore_eos=True)
+    alloc = BlockAllocator(16, 4)
+    sched = Scheduler(alloc, 4, 64, 32)
+    model = FakeModel(alloc)
+    sched.add_request(first.build())
+    run(sched, model)
+    assert alloc.num_cached == 3  # (13 prompt + 2 fed back outputs) // 4 full blocks written
+    sched.add_request(second.build())
+    outputs = run(sched, model)
+    # blocks 0 and 1 hold the shared 8 tokens; block 2 differs (tokens 8..11 are not shared)
+    assert prefill_plan(outputs, "second") == [(8, 4)]
+    assert model.computed_tokens["second"] == 4 + 2  # the rest of the prompt, then 2 decodes
+    stats = sched.stats()
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (13 + 12, 8)
+    assert stats.finished == {"length": 2}
+    assert_matches_reference(sched, [first, second])
+
+
+def test_a_fully_cached_prompt_still_computes_its_last_token():
+    spec = Spec("a", prompt(3, 8), 2, ignore_eos=True)
+    again = Spec("b", prompt(3, 8), 2, ignore_eos=True)
+    alloc = BlockAllocator(8, 4)
+    sched = Scheduler(alloc, 4, 64, 32)
+    model = FakeModel(alloc)
+    for s in (spec, again):
+        sched.add_request(s.build())
+        outputs = run(sched, model)
+    # 8 tokens fill both blocks, but the last one's logits are needed: block 1 is recomputed
+    assert prefill_plan(outputs, "b") == [(4, 4)]
+    assert sched.prefix_cache_hits == 4
+    assert_matches_reference(sched, [spec, again])
+
+
+def test_other_adapters_never_share_blocks():
+    base = Spec("base", prompt(2, 9), 2, ignore_eos=True)
+    specs = [base, Spec("sql", base.prompt, 2, ignore_eos=True, lora="sql"),
+             Spec("sql-again", base.prompt, 2, ignore_eos=True, lora="sql")]
+    alloc = BlockAllocator(16, 4)
+    sched = Scheduler(alloc, 4, 64, 32)
+    model = FakeModel(alloc)
+    plans = []
+    for s in specs:
+        sched.add_request(s.build())
+        plans.append(prefill_plan(run(sched, model), s.rid)[0])
+    assert plans == [(0, 9), (0, 9), (8, 1)]  # only the same adapter's blocks are reused
+    assert_matches_reference(sched, specs)
+
+
+def test_requests_admitted_together_compute_their_prefix_once_it_is_cached_later():
+    system = prompt(4, 8)
+    specs = [Spec(f"r{i}", system + (i,), 2, ignore_eos=True) for i in range(3)]
+    alloc = BlockAllocator(16, 4)
+    sched = Scheduler(alloc, 4, 64, 32)
+    model = FakeModel(alloc)
+    for s in specs[:2]:
+        sched.add_request(s.build())
+    first = sched.schedule()
+    # nothing is cached before a step has written it: both compute the whole prompt
+    assert [(p.start, p.query_len) for p in first.prefills] == [(0, 9), (0, 9)]
+    sched.update(first, model.step(first))
+    # both wrote the same two blocks; the first registered wins, the copy stays private
+    assert alloc.num_cached == 2 and alloc.num_used == 6
+    sched.add_request(specs[2].build())
+    outputs = run(sched, model)
+    assert prefill_plan(outputs, "r2") == [(8, 1)]
+    assert_matches_reference(sched, specs)
+
+
+def test_only_written_blocks_are_cached():
+    a = Spec("a", prompt(7, 13), 2, ignore_eos=True)
+    alloc = BlockAllocator(8, 4)
+    sched = Scheduler(alloc, 4, max_num_batched_tokens=5, max_model_len=32)
+    model = FakeModel(alloc)
+    sched.add_request(a.build())
+    out = sched.schedule()  # positions 0..4: block 1 is allocated but only 1 of 4 is written
+    sched.update(out, model.step(out))
+    assert alloc.num_cached == 1
+    sched.abort_request("a")  # block 1 is never completed
+    b = Spec("b", a.prompt, 2, ignore_eos=True)
+    sched.add_request(b.build())
+    assert prefill_plan(run(sched, model), "b") == [(4, 5), (9, 4)]
+    assert sched.finished[-1].output_token_ids == reference(b)[0]
+
+
+def test_chunked_prefill_starts_after_the_cached_prefix():
+    system = prompt(6, 12)
+    specs = [Spec("a", system + (1,), 2, ignore_eos=True),
+             Spec("b", system + (2, 3, 4, 5, 6), 2, ignore_eos=True)]
+    alloc = BlockAllocator(16, 4)
+    sched = Scheduler(alloc, 4, max_num_batched_tokens=3, max_model_len=32)
+    model = FakeModel(alloc)
+    sched.add_request(specs[0].build())
+    run(sched, model)
+    sched.add_request(specs[1].build())
+    outputs = run(sched, model)
+    assert prefill_plan(outputs, "b") == [(12, 3), (15, 2)]
+    assert_matches_reference(sched, specs)
+
+
+def test_a_preempted_request_gets_its_own_cached_blocks_back():
+    # two requests of 8 prompt tokens in 10 blocks of 2: their decodes outgrow the cache
+    specs = [Spec(f"r{i}", prompt(i, 8), 6, ignore_eos=True) for i in range(2)]
+    alloc = BlockAllocator(num_blocks=10, block_size=2)
+    sched = Scheduler(alloc, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=16)
+    for s in specs:
+        sched.add_request(s.build())
+    outputs = run(sched)
+    assert [r.request_id for o in outputs for r in o.preempted] == ["r1"]
+    before = next(s for o in outputs for s in o.scheduled if s.request_id == "r1").block_table
+    resumed = [p for o in outputs for p in o.prefills if p.request_id == "r1"][1]
+    # r1 held 5 full blocks (8 prompt + 2 fed-back tokens); freed deepest first, its last two
+    # were evicted for r0's decodes, its first three come back and 6 + 5 = 11 tokens
+    # (8 prompt + 3 generated) are in the cache again
+    assert (resumed.start, resumed.query_len) == (6, 5)
+    assert resumed.block_table[:3] == before[:3]
+    assert sched.prefix_cache_hits == 6
+    assert_matches_reference(sched, specs)
+
+
+def test_capacity_is_never_reduced_by_cached_blocks():
+    alloc = BlockAllocator(6, 2)
+    sched = Scheduler(alloc, 4, 64, 16)
+    specs = [Spec(f"r{i}", prompt(i, 5), 2, ignore_eos=True) for i in range(3)]
+    for s in specs:
+        sched.add_request(s.build())
+    run(sched)
+    assert alloc.num_cached > 0 and alloc.num_free == 6  # cached but free
+    big = Spec("big", prompt(9, 7), 6, ignore_eos=True)  # needs all 6 blocks (12 tokens)
+    sched.add_request(big.build())
+    run(sched)
+    assert sched.num_preemptions == 0 and alloc.num_evictions > 0
+    assert_matches_reference(sched, [*specs, big])
+
+
+def test_prefix_caching_off_computes_everything():
+    specs = [Spec(f"r{i}", prompt(1, 9), 2, ignore_eos=True) for i in range(2)]
+    alloc = BlockAllocator(16, 4)
+    sched = Scheduler(alloc, 4, 64, 32, prefix_caching=False)
+    model = FakeModel(alloc)
+    for s in specs:
+        sched.add_request(s.build())
+        run(sched, model)
+    assert model.computed_tokens == {"r0": 10, "r1": 10}
+    assert alloc.num_cached == 0 and sched.stats().prefix_cache_queries == 0
+    assert_matches_reference(sched, specs)
+
+
+def test_reset_prefix_cache_forgets_cached_blocks():
+    spec = Spec("a", prompt(1, 9), 2, ignore_eos=True)
+    alloc = BlockAllocator(16, 4)
+    sched = Scheduler(alloc, 4, 64, 32)
+    sched.add_request(spec.build())
+    run(sched)
+    assert sched.reset_prefix_cache() == 2 and alloc.num_cached == 0
+    again = Spec("b", spec.prompt, 2, ignore_eos=True)
+    sched.add_request(again.build())
+    assert prefill_plan(run(sched), "b") == [(0, 9)]
 
 
 # ------------------------------------------------------------------ stopping, aborting, protocol
@@ -501,6 +721,7 @@ def test_bad_requests_are_refused(kwargs, exc, match):
         ((BlockAllocator(2, 2), 1, 4, 0), ConfigError),
         ((BlockAllocator(2, 2), 1.0, 4, 8), TypeError),
         ((None, 1, 4, 8), TypeError),
+        ((BlockAllocator(2, 2), 1, 4, 8, 1), TypeError),
     ],
 )
 def test_scheduler_rejects_bad_settings(args, exc):

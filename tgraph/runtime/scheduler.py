@@ -14,6 +14,13 @@ freed and it is queued at the front of the waiting queue, to be recomputed later
 and the tokens generated so far. The oldest running request is therefore never preempted, which
 is what guarantees progress: it always fits, since requests that cannot fit the whole cache are
 refused by :meth:`Scheduler.add_request`.
+
+Prefix caching (on by default): a block is offered to the allocator's prefix cache once the step
+that fills it has run (see :meth:`Scheduler.update`). An admitted request first takes the cached
+blocks of the longest cached prefix of its tokens (prompt, plus generated tokens after a
+preemption) and starts its prefill after them, so the step's ``start`` / ``position_ids`` /
+``seq_len`` tell attention to read those positions from the shared blocks. At least the last
+token is always computed, since its logits are needed.
 """
 
 from __future__ import annotations
@@ -21,14 +28,42 @@ from __future__ import annotations
 import bisect
 import operator
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from tgraph.errors import ConfigError, RequestTooLongError, TGraphError
-from tgraph.runtime.block_manager import BlockAllocator, BlockTable
+from tgraph.runtime.block_manager import BlockAllocator, BlockHash, BlockTable, hash_block
 from tgraph.runtime.request import FinishReason, InvalidRequestError, Request, RequestStatus
 
-__all__ = ["ScheduledRequest", "Scheduler", "SchedulerError", "SchedulerOutput"]
+__all__ = [
+    "ScheduledRequest",
+    "Scheduler",
+    "SchedulerError",
+    "SchedulerOutput",
+    "SchedulerStats",
+]
+
+
+def check_fits(request: Request, max_model_len: int, num_blocks: int, block_size: int) -> None:
+    """Raise :class:`RequestTooLongError` if ``request`` could never be served by a scheduler
+    of these limits.
+
+    Raises:
+        RequestTooLongError: prompt + max_tokens exceed ``max_model_len``, or the request
+            could not fit the whole KV cache even alone; the message names both numbers.
+    """
+    rid = request.request_id
+    total = request.num_prompt_tokens + request.max_tokens
+    if total > max_model_len:
+        raise RequestTooLongError(
+            f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens + max_tokens "
+            f"{request.max_tokens} = {total} tokens exceeds max_model_len {max_model_len}")
+    cap = num_blocks * block_size
+    if request.max_kv_tokens > cap:
+        raise RequestTooLongError(
+            f"request {rid!r} needs up to {request.max_kv_tokens} KV-cache tokens (prompt "
+            f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1) but the whole "
+            f"cache holds {cap} tokens ({num_blocks} blocks of {block_size})")
 
 
 class SchedulerError(TGraphError, RuntimeError):
@@ -158,6 +193,34 @@ class SchedulerOutput:
         return [r + [pad_value] * (w - len(r)) for r in rows]
 
 
+@dataclass(frozen=True)
+class SchedulerStats:
+    """A snapshot of the scheduler: gauges now and counters since it was created.
+
+    Attributes:
+        running: requests holding blocks.
+        waiting: requests queued (new or preempted).
+        kv_blocks_used: blocks held by at least one request.
+        kv_blocks_total: blocks in the cache.
+        kv_blocks_cached: blocks whose content the prefix cache can hand out (held or free).
+        prefix_cache_queries: tokens looked up in the prefix cache at admissions (a preempted
+            request's prompt and generated tokens count again when it is admitted again).
+        prefix_cache_hits: of those, tokens found (their prefill was skipped).
+        preemptions: requests preempted.
+        finished: finished requests by finish reason (``"stop"``, ``"length"``, ``"abort"``).
+    """
+
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    kv_blocks_cached: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    finished: dict[str, int]
+
+
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
@@ -175,6 +238,7 @@ class Scheduler:
         max_num_batched_tokens: most tokens in one step, decodes and prefill chunks together;
             longer prompts are prefilled in chunks over several steps.
         max_model_len: longest sequence (prompt + generated tokens) the model accepts.
+        prefix_caching: reuse the KV blocks of cached prefixes (``llm.cache.prefix_caching``).
     """
 
     def __init__(
@@ -183,6 +247,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         max_model_len: int,
+        prefix_caching: bool = True,
     ) -> None:
         if not isinstance(allocator, BlockAllocator):
             raise TypeError(f"allocator must be a BlockAllocator, got {type(allocator).__name__}")
@@ -192,11 +257,22 @@ class Scheduler:
             "max_num_batched_tokens", max_num_batched_tokens
         )
         self.max_model_len = _positive_int("max_model_len", max_model_len)
+        if not isinstance(prefix_caching, bool):
+            raise TypeError(f"prefix_caching must be a bool, got {type(prefix_caching).__name__}")
+        self.prefix_caching = prefix_caching
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival, oldest first
         self.finished: list[Request] = []  # every finished request, in finishing order
         self.num_preemptions = 0
+        self.prefix_cache_queries = 0
+        """Tokens looked up in the prefix cache at admissions (0 with prefix caching off)."""
+        self.prefix_cache_hits = 0
+        """Tokens found in the prefix cache at admissions (their prefill was skipped)."""
+        self._finished_counts: dict[str, int] = {}
         self._requests: dict[str, Request] = {}  # unfinished requests by id
+        # chained hashes of each unfinished request's full blocks, extended lazily; they depend
+        # only on the tokens, so they survive preemption
+        self._block_hashes: dict[str, list[BlockHash]] = {}
         self._next_arrival = 0
         self._step = 0
         self._pending: SchedulerOutput | None = None
@@ -230,27 +306,10 @@ class Scheduler:
         self.waiting.append(request)
 
     def check_fits(self, request: Request) -> None:
-        """Raise :class:`RequestTooLongError` if ``request`` could never be served.
-
-        Raises:
-            RequestTooLongError: prompt + max_tokens exceed ``max_model_len``, or the request
-                could not fit the whole KV cache even alone; the message names both numbers.
-        """
-        rid = request.request_id
-        total = request.num_prompt_tokens + request.max_tokens
-        if total > self.max_model_len:
-            raise RequestTooLongError(
-                f"request {rid!r}: prompt of {request.num_prompt_tokens} tokens + max_tokens "
-                f"{request.max_tokens} = {total} tokens exceeds max_model_len {self.max_model_len}"
-            )
-        cap = self.allocator.capacity_tokens
-        if request.max_kv_tokens > cap:
-            raise RequestTooLongError(
-                f"request {rid!r} needs up to {request.max_kv_tokens} KV-cache tokens (prompt "
-                f"{request.num_prompt_tokens} + max_tokens {request.max_tokens} - 1) but the whole "
-                f"cache holds {cap} tokens ({self.allocator.num_blocks} blocks of "
-                f"{self.allocator.block_size})"
-            )
+        """Raise :class:`RequestTooLongError` if ``request`` could never be served (see
+        :func:`check_fits`)."""
+        a = self.allocator
+        check_fits(request, self.max_model_len, a.num_blocks, a.block_size)
 
     def finish_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> bool:
         """Finish a request now and free its blocks.
@@ -304,6 +363,33 @@ class Scheduler:
         """Requests holding blocks."""
         return len(self.running)
 
+    def stats(self) -> SchedulerStats:
+        """Return the gauges and counters the metrics report.
+
+        Only reads counters; call it from the thread that drives the scheduler for an exact
+        snapshot.
+        """
+        a = self.allocator
+        return SchedulerStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_blocks_used=a.num_used,
+            kv_blocks_total=a.num_blocks,
+            kv_blocks_cached=a.num_cached,
+            prefix_cache_queries=self.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits,
+            preemptions=self.num_preemptions,
+            finished=dict(self._finished_counts),
+        )
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached block (call it when an adapter's or the model's weights change).
+
+        Returns:
+            The number of cache entries dropped.
+        """
+        return self.allocator.reset_prefix_cache()
+
     # ---------------------------------------------------------------- scheduling
 
     def schedule(self) -> SchedulerOutput:
@@ -347,17 +433,26 @@ class Scheduler:
             and len(self.running) < self.max_num_seqs
         ):
             req = self.waiting[0]
-            length = min(req.num_tokens, budget)
+            cached = self._cached_prefix(req)
+            num_cached = len(cached) * self.allocator.block_size
+            length = min(req.num_tokens - num_cached, budget)
             table = BlockTable(self.allocator)
+            # cached blocks nobody holds count as free, and taking them uses that room up
+            revived = sum(1 for b in cached if self.allocator.ref_count(b) == 0)
+            need = table.blocks_needed(num_cached + length) - len(cached) + revived
             # admission needs blocks for the whole chunk; the queue is FIFO, so stop at the first
             # request that does not fit rather than letting later ones overtake it
-            if not self.allocator.can_allocate(table.blocks_needed(length)):
+            if not self.allocator.can_allocate(need):
                 break
             self.waiting.popleft()
-            table.ensure_capacity(length)
+            table.share_prefix(cached)  # before allocating, which could evict them
+            table.ensure_capacity(num_cached + length)
+            if self.prefix_caching:
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += num_cached
             req.block_table = table
             req.status = RequestStatus.RUNNING
-            req.num_computed_tokens = 0
+            req.num_computed_tokens = num_cached
             req.prefill_len = req.num_tokens
             bisect.insort(self.running, req, key=lambda r: r.arrival)
             out.prefills.append(self._make_scheduled(req, length))
@@ -365,6 +460,33 @@ class Scheduler:
 
         self._pending = out
         return out
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks of the longest cached prefix of ``req``'s tokens, leaving at least
+        its last token to compute."""
+        if not self.prefix_caching:
+            return []
+        return self.allocator.lookup(
+            self._iter_hashes(req, (req.num_tokens - 1) // self.allocator.block_size))
+
+    def _iter_hashes(self, req: Request, num_blocks: int) -> Iterator[BlockHash]:
+        """Yield the hashes of ``req``'s first ``num_blocks`` full blocks, computing lazily."""
+        hashes = self._block_hashes.setdefault(req.request_id, [])
+        bs = self.allocator.block_size
+        for i in range(num_blocks):
+            if i == len(hashes):
+                parent = hashes[-1] if hashes else None
+                hashes.append(hash_block(parent, req.token_ids(i * bs, (i + 1) * bs), req.lora))
+            yield hashes[i]
+
+    def _cache_written_blocks(self, req: Request) -> None:
+        """Offer ``req``'s blocks that its computed tokens fill to the prefix cache."""
+        table = req.block_table
+        assert table is not None
+        full = req.num_computed_tokens // self.allocator.block_size
+        if full > table.num_cached_blocks:
+            hashes = list(self._iter_hashes(req, full))
+            table.register_full_blocks(hashes, req.num_computed_tokens)
 
     def _grow_or_preempt(self, req: Request, want: int, out: SchedulerOutput) -> int:
         """Make room in ``req``'s block table for up to ``want`` more tokens.
@@ -435,7 +557,8 @@ class Scheduler:
 
         Tokens are appended only for requests whose ``needs_logits`` is set (their prompt is
         fully computed); tokens given for other scheduled requests (a runner that samples every
-        row) are ignored. Finished requests free their blocks at once.
+        row) are ignored. Blocks the step filled are offered to the prefix cache (their KV
+        entries are now written). Finished requests free their blocks at once.
 
         Args:
             output: the output of the last :meth:`schedule` call.
@@ -486,6 +609,8 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:  # aborted after schedule()
                 continue
             req.num_computed_tokens += s.query_len
+            if self.prefix_caching:
+                self._cache_written_blocks(req)
             if not s.needs_logits:
                 continue
             req.output_token_ids.append(tokens[req.request_id])
@@ -503,11 +628,14 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         del self._requests[req.request_id]
+        self._block_hashes.pop(req.request_id, None)
+        self._finished_counts[reason.value] = self._finished_counts.get(reason.value, 0) + 1
         self.finished.append(req)
 
     def __repr__(self) -> str:
         return (
             f"Scheduler(waiting={len(self.waiting)}, running={len(self.running)}, "
             f"finished={len(self.finished)}, free_blocks={self.allocator.num_free}/"
-            f"{self.allocator.num_blocks}, preemptions={self.num_preemptions})"
+            f"{self.allocator.num_blocks}, preemptions={self.num_preemptions}, "
+            f"prefix_cache_hits={self.prefix_cache_hits}/{self.prefix_cache_queries})"
         )
