@@ -1,7 +1,9 @@
-"""The ``tgraph`` command line: ``generate``, ``check-model``, ``rules``, ``bench``, ``demo``.
+"""The ``tgraph`` command line: ``generate``, ``serve``, ``check-model``, ``rules``, ``bench``,
+``demo``.
 
 Tensor parallelism: ``torchrun --nproc-per-node N -m tgraph generate ...`` runs the command on
-every rank (the model split N ways); only rank 0 prints. An error on any rank is printed with
+every rank (the model split N ways); only rank 0 prints (``serve``: rank 0 serves, the others
+follow its engine). An error on any rank is printed with
 its rank and ends that process at once with a nonzero status, which makes torchrun stop the
 others (the process-group timeout, ``--dist-timeout``, bounds the wait if it cannot).
 """
@@ -40,7 +42,7 @@ def _settings_overrides(args: argparse.Namespace) -> list[str]:
 
 
 @contextlib.contextmanager
-def _profiled(path: str | None):
+def _profiled(path: str | None, llm):
     if not path:
         yield
         return
@@ -49,25 +51,46 @@ def _profiled(path: str | None):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    prof = torch.profiler.profile(activities=activities)
+    # The model runs on the engine's thread; the profiler records the thread it starts on.
+    llm.engine.call(prof.start)
+    try:
         yield
+    finally:
+        llm.engine.call(prof.stop)
     prof.export_chrome_trace(path)
     print(f"[profile written to {path}]", file=sys.stderr)
 
 
-def _generate(args: argparse.Namespace) -> int:
-    from tgraph.runtime.llm import LLM
-    from tgraph.runtime.sampling_params import SamplingParams
-
+def _loras(items: Sequence[str] | None) -> dict[str, str]:
     loras = {}
-    for item in args.lora or []:
+    for item in items or []:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
             raise SystemExit(f"tgraph: error: --lora expects NAME=DIR, got {item!r}")
         loras[name] = path
-    llm = LLM(args.model, args.config, max_model_len=args.max_model_len,
-              module_map=args.module_map, settings_overrides=_settings_overrides(args),
-              loras=loras, dist_timeout=args.dist_timeout)
+    return loras
+
+
+def _load(args: argparse.Namespace, in_process: bool = True):
+    """The model the arguments name: an ``LLM``, or with ``in_process=False`` an
+    ``EngineProcess`` (the same model in a child process)."""
+    options = dict(max_model_len=args.max_model_len, module_map=args.module_map,
+                   settings_overrides=_settings_overrides(args), loras=_loras(args.lora),
+                   dist_timeout=args.dist_timeout)
+    if not in_process:
+        from tgraph.runtime.engine_process import EngineProcess
+
+        return EngineProcess(args.model, args.config, **options)
+    from tgraph.runtime.llm import LLM
+
+    return LLM(args.model, args.config, **options)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from tgraph.runtime.sampling_params import SamplingParams
+
+    llm = _load(args)
     # Under tensor parallelism every rank generates; rank 0 alone reports.
     report = llm.rank == 0
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -82,7 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
         if llm.world_size > 1:
             dump = os.path.join(dump, f"rank{llm.rank}")
         llm.model.dump_dir = dump
-    with _profiled(args.profile if report else None):
+    with _profiled(args.profile if report else None, llm):
         if len(prompts) == 1:
             for event in llm.stream(prompts[0], params, chat=chat):
                 if not report:
@@ -99,6 +122,26 @@ def _generate(args: argparse.Namespace) -> int:
                       f"finish: {out.finish_reason}]")
     llm.close()
     return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from tgraph.nn import distributed
+    from tgraph.serve import ServerConfig, serve
+
+    name = args.served_model_name or os.path.basename(os.path.normpath(args.model))
+    api_key = args.api_key or envs.get("TGRAPH_API_KEY") or None
+    # Under torchrun the ranks step together in their own processes: the engine stays in them.
+    in_process = args.in_process or distributed.launched_world_size() > 1
+    try:
+        config = ServerConfig(served_model_name=name, api_key=api_key,
+                              max_waiting=args.max_waiting,
+                              default_max_tokens=args.default_max_tokens,
+                              gil_switch_interval_s=args.gil_switch_interval)
+    except ValueError as err:
+        raise SystemExit(f"tgraph serve: error: {err}") from None
+    llm = _load(args, in_process)
+    return serve(llm, config, args.host, args.port, drain_seconds=args.drain_seconds,
+                 log_level=args.log_level)
 
 
 def _check_model(args: argparse.Namespace) -> int:
@@ -159,6 +202,39 @@ def build_parser() -> argparse.ArgumentParser:
                           "before failing (default 300)")
     _add_settings(gen)
     gen.set_defaults(func=_generate)
+
+    srv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    srv.add_argument("--model", required=True,
+                     help="directory with config.json + safetensors, or a .gguf file")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    srv.add_argument("--api-key", help="require 'Authorization: Bearer KEY' (default: "
+                                       "$TGRAPH_API_KEY; none: no key)")
+    srv.add_argument("--served-model-name",
+                     help="the model's name in the API (default: the model path's last part)")
+    srv.add_argument("--max-waiting", type=int, metavar="N",
+                     help="answer 429 while N requests wait for the engine (default: no limit)")
+    srv.add_argument("--default-max-tokens", type=int, default=256,
+                     help="max_tokens of a request that gives none")
+    srv.add_argument("--drain-seconds", type=float, default=30.0,
+                     help="on SIGTERM, how long requests in flight may still run")
+    srv.add_argument("--in-process", action="store_true",
+                     help="run the engine in the server's process (the default under torchrun; "
+                          "otherwise it runs in a child process, off the HTTP side's "
+                          "interpreter lock)")
+    srv.add_argument("--gil-switch-interval", type=float, metavar="SECONDS",
+                     help="how long the HTTP thread may keep the Python interpreter from the "
+                          "engine thread (default: Python's 0.005)")
+    srv.add_argument("--lora", action="append", metavar="NAME=DIR",
+                     help="load a PEFT LoRA adapter, served as model NAME (repeatable)")
+    srv.add_argument("--max-model-len", type=int)
+    srv.add_argument("--rules", metavar="FILE", help="YAML injection rules (see configs/rules/)")
+    srv.add_argument("--dist-timeout", type=float, metavar="SECONDS",
+                     help="under torchrun: how long a rank waits for the others in a collective")
+    srv.add_argument("--log-level", default="info",
+                     choices=("critical", "error", "warning", "info", "debug"))
+    _add_settings(srv)
+    srv.set_defaults(func=_serve)
 
     check = sub.add_parser("check-model",
                            help="check a model dir's or .gguf file's config and weights")

@@ -97,6 +97,9 @@ VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("CUDA_VISIBLE_DEVICES", _text, None,
            "the GPUs a process may see; named in the error when a rank has no GPU",
            "tgraph (from torchrun)"),
+    EnvVar("TGRAPH_API_KEY", _text, "",
+           "the key `tgraph serve` requires as 'Authorization: Bearer KEY' when --api-key is "
+           "not given", "tgraph serve"),
     EnvVar("TGRAPH_CUDA", _text, "",
            "1 or 0: install a CUDA or the CPU build of torch (default: CUDA where nvidia-smi "
            "exists)", "scripts/setup.sh"),

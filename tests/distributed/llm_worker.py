@@ -5,7 +5,8 @@ records, in ``OUT/rank<r>.json``: greedy and randomly sampled generations, wheth
 back, what each rank raised when rank 0 alone was given a prompt that cannot fit, when the ranks
 were given different prompts or different settings, and when rank 0's sampler failed in the
 middle of a generation, and a greedy generation after those errors (the ranks must still be in
-step).
+step). Last, rank 0 leads and rank 1 follows its engine (the server's way): rank 0 submits
+requests, aborts one, and closes, which ends rank 1's ``follow()``.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ PROMPT_LISTS = [list(p) for p in PROMPTS]
 MAX_TOKENS = 6
 SAMPLED_TOKENS = 12
 SAMPLER_FAILURE = "injected sampler failure on rank 0"
+ABORTED_TOKENS = 50
 LLM_OPTIONS: dict[str, Any] = {"device": "cpu", "max_model_len": 64, "num_blocks": 32,
                                "block_size": 4}
 
@@ -82,6 +84,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     report["sampler_error"] = _error(lambda: llm.generate(PROMPT_LISTS, greedy))
     llm.runner.sampler.sample = sample
     report["greedy_after_errors"] = [o.token_ids for o in llm.generate(PROMPT_LISTS, greedy)]
+    # The server's way: rank 0 leads (takes the requests), rank 1 follows until rank 0 closes.
+    if rank == 0:
+        llm.engine.lead()
+        streams = [llm.engine.submit(p, greedy) for p in PROMPT_LISTS]
+        victim = llm.engine.submit(PROMPT_LISTS[0], SamplingParams(
+            temperature=0.0, max_tokens=ABORTED_TOKENS, ignore_eos=True))
+        llm.abort(victim.request_id)
+        report["lead_greedy"] = [[t for e in s for t in e.token_ids] for s in streams]
+        list(victim)
+        report["lead_aborted"] = [victim.output.finish_reason, len(victim.output.token_ids)]
+        llm.engine.call(lambda: None)  # the last step's stats are published
+    else:
+        llm.engine.follow()
+    stats = llm.stats()
+    report["lead_stats"] = [stats.finished, stats.running, stats.waiting, stats.kv_blocks_used]
     llm.close()
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(report))

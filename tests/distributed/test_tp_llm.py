@@ -4,7 +4,7 @@ CPU, bounded by a timeout that kills the whole job), compared with a single proc
 Greedy tokens equal world size 1's on both ranks; only rank 0 samples (random draws agree on
 both ranks) and returns logprobs; a prompt rejected on rank 0 alone, different prompts or
 different settings raise on every rank, so does a sampling failure on rank 0 mid-generation,
-after which the ranks still generate in step.
+after which the ranks still generate in step; rank 1 follows rank 0's engine (the server's way).
 
 Greedy parity holds although world size 2 sums the row-parallel halves in another order: fp32
 logits differ by ~1e-7 (see test_tp_gloo.py), far below the top-1 gaps of these random models.
@@ -18,6 +18,7 @@ import pytest
 
 from tests.distributed.launch import run_torchrun
 from tests.distributed.llm_worker import (
+    ABORTED_TOKENS,
     LLM_OPTIONS,
     MAX_TOKENS,
     PROMPT_LISTS,
@@ -100,6 +101,20 @@ def test_llm_sampling_failure_on_rank0_raises_on_every_rank(llm_reports: list[di
 def test_llm_ranks_stay_in_step_after_errors(llm_reports: list[dict]) -> None:
     for report in llm_reports:
         assert report["greedy_after_errors"] == report["greedy"]
+
+
+def test_rank1_follows_rank0s_engine(llm_reports: list[dict]) -> None:
+    """Rank 0 leads (submits, aborts one request, closes); rank 1 ran the same steps: the
+    greedy tokens are world size 1's, and both ranks end with the same finished requests and
+    every block free, rank 1 once rank 0's close ended its ``follow()``."""
+    rank0, rank1 = llm_reports
+    assert rank0["lead_greedy"] == rank0["greedy"]
+    reason, tokens = rank0["lead_aborted"]
+    assert reason == "abort" and tokens < ABORTED_TOKENS
+    finished, running, waiting, used = rank0["lead_stats"]
+    assert (running, waiting, used) == (0, 0, 0)
+    assert finished["abort"] >= 1 and finished["length"] >= len(PROMPTS)
+    assert rank1["lead_stats"] == rank0["lead_stats"]
 
 
 

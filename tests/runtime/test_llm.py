@@ -130,12 +130,14 @@ def test_preemption_keeps_outputs(llama_dir: Path) -> None:
     llm = _llm(llama_dir, graph="eager", num_blocks=6)
     assert llm.capacity_tokens == 24
     outputs = llm.generate(PROMPTS, params)
-    assert llm.scheduler.num_preemptions > 0
+    stats = llm.stats()
+    assert stats.preemptions > 0
     for i, (out, ref) in enumerate(zip(outputs, alone)):
         assert out.token_ids == ref, f"prompt {i}: batched {out.token_ids} vs alone {ref}"
         assert out.finish_reason == "length"
-    assert not llm.scheduler.has_unfinished()
-    assert llm.scheduler.allocator.num_free == 6  # every block returned
+    # Nothing left, every block returned (the stats count a request's last event).
+    assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
+    assert stats.finished == {"length": len(PROMPTS)}
 
 
 def test_request_too_long(llama_dir: Path) -> None:
@@ -149,7 +151,7 @@ def test_request_too_long(llama_dir: Path) -> None:
     with pytest.raises(RequestTooLongError, match="max_model_len 32"):
         llm.generate([too_long, PROMPTS[1]], GREEDY)
     # Nothing of the refused calls was queued; the next call works.
-    assert not llm.scheduler.has_unfinished()
+    assert (llm.stats().waiting, llm.stats().finished) == (0, {})
     ref = _llm(llama_dir, graph="eager").generate(PROMPTS[:2], GREEDY)
     outputs = llm.generate(PROMPTS[:2], GREEDY)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in ref]

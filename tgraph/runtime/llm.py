@@ -1,24 +1,33 @@
 """The Python API: ``LLM(model_dir).generate(prompts, SamplingParams(...))``.
 
+``LLM`` loads the model and hands it to an :class:`~tgraph.runtime.engine_core.EngineCore`
+(``llm.engine``), whose thread runs the scheduler and the model; ``generate`` and ``stream`` only
+submit requests and read their own output queues. So one ``LLM`` is thread-safe: any number of
+threads, streams and generate calls may share it, and each request gets the tokens it would get
+alone (greedy, or seeded sampling).
+
 Tensor parallelism: run the same script on every rank with ``torchrun --nproc-per-node N``.
 ``LLM`` sees torchrun's environment, joins the process group (NCCL on ``cuda:LOCAL_RANK``, gloo
 on CPU), loads the rank's shards and checks that every rank got the same settings and model.
-Every rank must then make the same calls with the same prompts: rank 0 samples and broadcasts
-the tokens, the others run the same scheduler steps on them. A request that one rank rejects is
-rejected on every rank with the same exception type, so the ranks stay in step.
+Then either every rank makes the same calls with the same prompts in the same order (one
+thread per rank), or rank 0 calls ``llm.engine.lead()`` and takes the requests while the other
+ranks call ``llm.engine.follow()`` (the server). Rank 0 samples and broadcasts the tokens; the
+others run the same scheduler steps on them. A request that one rank rejects is rejected on
+every rank with the same exception type, so the ranks stay in step.
 """
 from __future__ import annotations
 
-import hashlib
-import json
+import gc
 import logging
 import sys
 import time
+import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from tgraph.config import Settings, load_settings, parse_override, tuning_of
@@ -26,13 +35,12 @@ from tgraph.errors import ConfigError, RequestTooLongError
 from tgraph.models.loading import load_model
 from tgraph.nn import distributed
 from tgraph.runtime.block_manager import BlockAllocator
+from tgraph.runtime.engine_core import BatchStream, EngineCore, EngineStats
 from tgraph.runtime.kv_cache import bytes_per_block, plan_num_blocks
-from tgraph.runtime.request import FinishReason, Request
-from tgraph.runtime.runner import ModelRunner, RankFailedError, synchronize
-from tgraph.runtime.sampler import TokenLogprobs
+from tgraph.runtime.outputs import RequestOutput, StreamEvent
+from tgraph.runtime.runner import ModelRunner
 from tgraph.runtime.sampling_params import SamplingParams
-from tgraph.runtime.scheduler import Scheduler, SchedulerOutput
-from tgraph.runtime.stop import StopChecker
+from tgraph.runtime.scheduler import Scheduler
 
 logger = logging.getLogger("tgraph.runtime")
 
@@ -49,51 +57,17 @@ _SHORT_KEYS = {
     "capture_collectives": "llm.engine.capture_collectives",
 }
 
-# Errors a rank re-raises, by name, when another rank rejected a request (the same type on
-# every rank keeps SPMD scripts that catch it in step).
-_SHARED_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (RequestTooLongError, ConfigError, ValueError, TypeError)}
-
-
-@dataclass
-class RequestOutput:
-    """The result of one prompt.
-
-    Attributes:
-        text: generated text (stop strings removed); ``""`` without a tokenizer.
-        token_ids: generated token ids.
-        finish_reason: ``"stop"`` or ``"length"``.
-        logprobs: per generated token, when asked for.
-        time_to_first_token, total_seconds: wall-clock timings from submission.
-    """
-
-    request_id: str
-    prompt_token_ids: list[int]
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[TokenLogprobs] | None = None
-    time_to_first_token: float | None = None
-    total_seconds: float = 0.0
-
-    @property
-    def tokens_per_second(self) -> float:
-        return len(self.token_ids) / self.total_seconds if self.total_seconds > 0 else 0.0
-
-
-@dataclass
-class StreamEvent:
-    """New output of one request: text and tokens since the last event."""
-
-    request_id: str
-    text: str
-    token_ids: list[int]
-    finished: bool
-    output: RequestOutput
+Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
 
 
 class LLM:
     """Load a model directory and serve prompts with continuous batching.
+
+    Thread-safe: ``generate``, ``stream``, ``encode``, ``abort``, ``stats`` and the adapter calls
+    may be used from any number of threads at once, and streams may be read at any pace (a
+    request runs in ``llm.engine``'s thread whether or not its stream is being read). Each
+    request gets the tokens it would get alone. ``close()`` (or dropping the last reference)
+    stops the engine and frees the KV cache.
 
     Args:
         model_dir: Hugging Face-style directory (config.json, safetensors, tokenizer files).
@@ -110,6 +84,10 @@ class LLM:
             ``max_num_batched_tokens``, ``dtype``, ``device``, ``gpu_memory_utilization``...).
 
     Under torchrun (``WORLD_SIZE`` > 1) the model is split over the ranks; see the module doc.
+
+    Attributes:
+        engine: the :class:`~tgraph.runtime.engine_core.EngineCore` that runs the requests
+            (``submit`` for one request with its own stream, ``abort``, ``stats``).
     """
 
     def __init__(self, model_dir: str | Path, config: str | Path | Settings | None = None, *,
@@ -163,6 +141,11 @@ class LLM:
         for name, path in (loras or {}).items():
             self.load_lora(name, path)
         c = self.model.llm_config
+        if c.device.type == "cuda":
+            # A dropped LLM's weights and arenas sit in reference cycles until the garbage
+            # collector runs; the cache is sized from what is allocated now.
+            gc.collect()
+            torch.cuda.empty_cache()
         num_blocks = plan_num_blocks(self.model, llm.cache.num_blocks,
                                      llm.cache.gpu_memory_utilization, llm.scheduler.max_num_seqs,
                                      llm.scheduler.max_num_batched_tokens)
@@ -176,15 +159,18 @@ class LLM:
                     num_blocks * bytes_per_block(self.model) / 2**30)
         self.captured_buckets = self.model.capture_decode_graphs(
             [b for b in c.batch_buckets if b <= llm.scheduler.max_num_seqs])
-        self.scheduler = Scheduler(BlockAllocator(num_blocks, c.block_size),
-                                   max_num_seqs=llm.scheduler.max_num_seqs,
-                                   max_num_batched_tokens=llm.scheduler.max_num_batched_tokens,
-                                   max_model_len=c.max_model_len)
-        self.runner = ModelRunner(self.model)
-        # Request ids are taken only once a stream's requests are accepted (on every rank), so
-        # a rejected call leaves the ranks' counters equal.
-        self._next_id = 0
+        scheduler = Scheduler(BlockAllocator(num_blocks, c.block_size),
+                              max_num_seqs=llm.scheduler.max_num_seqs,
+                              max_num_batched_tokens=llm.scheduler.max_num_batched_tokens,
+                              max_model_len=c.max_model_len,
+                              prefix_caching=llm.cache.prefix_caching)
         self.eos_token_ids = _eos_ids(self.model.config, self.tokenizer)
+        self.engine = EngineCore(self.model, scheduler, runner=ModelRunner(self.model),
+                                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids)
+        # NOTE: the engine's thread holds neither the LLM nor the engine, so dropping the last
+        # reference to the LLM runs this at once: it stops the thread and frees the memory.
+        self._finalizer = weakref.finalize(self, _release, self.engine, self.model)
+        self._finalizer.atexit = False  # at exit the engine's own finalizer stops its thread
 
     @property
     def rank(self) -> int:
@@ -196,124 +182,119 @@ class LLM:
         """Number of tensor-parallel ranks (1 without tensor parallelism)."""
         return self.model.llm_config.world_size
 
+    @property
+    def scheduler(self) -> Scheduler:
+        """The engine's scheduler (its thread's; read it only while no request runs)."""
+        return self.engine.scheduler
+
+    @property
+    def runner(self) -> ModelRunner:
+        """The engine's model runner."""
+        return self.engine.runner
+
     def close(self) -> None:
-        """Leave the process group this ``LLM`` joined (no-op otherwise); call it on every rank
-        at the end of a tensor-parallel run."""
+        """Stop the engine and free the model's memory; then leave the process group this
+        ``LLM`` joined, if any (call it on every rank at the end of a tensor-parallel run).
+
+        Requests in flight end with :class:`~tgraph.runtime.engine_core.EngineClosedError`.
+        The KV cache, the engines and their captured graphs are dropped (on a GPU the memory
+        goes back to the device, so another ``LLM`` can size its cache); the ``LLM`` takes no
+        requests afterwards. Dropping the last reference to an ``LLM`` does the same, except
+        leaving the process group. Idempotent.
+        """
+        self._finalizer()
         if self._owns_group:
-            self.model.release_graphs()  # they may hold NCCL collectives
             distributed.destroy_process_group()
             self._owns_group = False
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (its stream ends with finish reason ``"abort"``, and its blocks are
+        freed at the next step); unknown or finished ids are ignored."""
+        self.engine.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """The engine's gauges and counters (see :class:`EngineStats`)."""
+        return self.engine.stats()
 
     def load_lora(self, name: str, path: str | Path) -> None:
         """Load a PEFT adapter for requests that name it (multi-LoRA: mixed in one batch)."""
         features = getattr(self.model, "features", {})
         if "multi_lora" not in features:
             raise ConfigError(f"{type(self.model).__name__} has no multi-LoRA feature")
-        features["multi_lora"].load(name, path)
+        self._on_engine(lambda: features["multi_lora"].load(name, path))
 
     def unload_lora(self, name: str) -> None:
-        self.model.features["multi_lora"].unload(name)
+        """Unload an adapter (requests still naming it fail)."""
+        self._on_engine(lambda: self.model.features["multi_lora"].unload(name))
+
+    def _on_engine(self, change) -> None:
+        """Change the model between two steps of the engine (directly before it exists); an
+        adapter's blocks in the prefix cache are stale afterwards."""
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            change()
+            return
+        scheduler = engine.scheduler
+
+        def run() -> None:
+            change()
+            scheduler.reset_prefix_cache()
+
+        engine.call(run)
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt (text is tokenised; with ``chat`` the chat template is used)."""
-        if not isinstance(prompt, str):
-            ids = list(prompt)
-            if not ids or not all(isinstance(t, int) for t in ids):
-                raise ValueError("a prompt is a string or a non-empty list of token ids")
-            return ids
-        if self.tokenizer is None:
-            raise ConfigError("this model directory has no tokenizer: pass token ids")
-        if chat and getattr(self.tokenizer, "chat_template", None):
-            return list(self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
-                return_dict=False))
-        return list(self.tokenizer.encode(prompt))
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The LoRA adapters loaded for per-request use (:meth:`load_lora`), sorted."""
+        multi = getattr(self.model, "features", {}).get("multi_lora")
+        return sorted(multi.slots) if multi is not None else []
 
     # ---- generation ------------------------------------------------------------------------------
-    def stream(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-               params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-               chat: bool = False, lora: str | None = None) -> Iterator[StreamEvent]:
+    def stream(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None
+               = None, *, chat: bool = False, lora: str | None = None) -> Iterator[StreamEvent]:
         """Submit prompts and yield their output as it is produced (continuous batching).
 
         A prompt that can never fit (longer than ``max_model_len`` or the whole cache) raises
-        :class:`RequestTooLongError` before anything runs; no other prompt is lost. Under tensor
-        parallelism every rank must stream the same prompts and consume the events alike; a
-        request any rank rejects raises on every rank.
+        :class:`RequestTooLongError` before anything runs; no other prompt is lost. The
+        requests run in the engine whether or not the generator is being read; closing the
+        generator (or dropping it) aborts those not finished. Under tensor parallelism every
+        rank must stream the same prompts (see the module doc); a request any rank rejects
+        raises on every rank.
         """
+        stream = self._submit(prompts, params, chat, lora)
         try:
-            states = self._prepare(prompts, params, chat, lora)
-            error = None
-        except Exception as err:  # shared with the other ranks before it is raised
-            states, error = {}, err
-        if self.world_size > 1:
-            self._agree_on_requests(states, error)
-        elif error is not None:
-            raise error
-        self._next_id += len(states)
-        for state in states.values():
-            self.scheduler.add_request(state.request)
-        try:
-            yield from self._loop(states)
+            yield from stream
         finally:
-            for rid, state in states.items():
-                if not state.done:
-                    self.scheduler.abort_request(rid)
+            stream.cancel()
 
-    def _prepare(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams] | None, chat: bool,
-                 lora: str | None) -> dict[str, _State]:
-        """Encode and check the requests; raises before anything is queued."""
-        batch = [prompts] if isinstance(prompts, str) or (
-            prompts and isinstance(prompts[0], int)) else list(prompts)
-        if params is None or isinstance(params, SamplingParams):
-            params = [params or SamplingParams()] * len(batch)
-        if len(params) != len(batch):
-            raise ValueError(f"got {len(params)} SamplingParams for {len(batch)} prompts")
-        states: dict[str, _State] = {}
-        for i, (prompt, p) in enumerate(zip(batch, params)):
-            if lora is not None and p.lora is None:
-                p = _with_lora(p, lora)
-            ids = self.encode(prompt, chat)
-            rid = f"req-{self._next_id + i}"
-            request = Request.from_sampling_params(rid, ids, p, self.eos_token_ids)
-            states[rid] = _State(request, RequestOutput(rid, ids), time.perf_counter(),
-                                 StopChecker(self.tokenizer, p, self.eos_token_ids, ids)
-                                 if self.tokenizer is not None else None)
-        # Reject what can never fit before anything is queued, so that no request is lost.
-        for state in states.values():
-            self.scheduler.check_fits(state.request)
-        return states
+    def _submit(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None,
+                chat: bool, lora: str | None) -> BatchStream:
+        """Encode and submit the requests together; raises before anything is queued."""
+        try:
+            batch = _as_batch(prompts)
+            if params is None or isinstance(params, SamplingParams):
+                params = [params or SamplingParams()] * len(batch)
+            if len(params) != len(batch):
+                raise ValueError(f"got {len(params)} SamplingParams for {len(batch)} prompts")
+            if lora is not None:
+                params = [p if p.lora is not None else replace(p, lora=lora) for p in params]
+            ids = [self.encode(prompt, chat) for prompt in batch]
+        except Exception as err:  # shared with the other ranks before it is raised
+            self.engine.submit_failed(err)
+        return self.engine.submit_batch(ids, list(params))
 
-    def _agree_on_requests(self, states: dict[str, _State], error: Exception | None) -> None:
-        """Every rank shares whether it accepted its requests and a digest of them; then each
-        raises if any rank failed or the requests differ, so no rank runs a step alone."""
-        digest = hashlib.sha256(json.dumps(
-            [[rid, s.request.prompt_token_ids, distributed.config_json(s.request.sampling_params)]
-             for rid, s in states.items()]).encode()).hexdigest()
-        mine = {"error": None if error is None else [type(error).__name__, str(error)],
-                "digest": digest}
-        reports = [json.loads(b) for b in
-                   distributed.all_gather_bytes(json.dumps(mine).encode())]
-        if error is not None:
-            raise error
-        failed = [(r, rep["error"]) for r, rep in enumerate(reports) if rep["error"]]
-        if failed:
-            r, (kind, message) = failed[0]
-            raise _SHARED_ERRORS.get(kind, RankFailedError)(
-                f"rank {r} rejected the request(s) with {kind}: {message}")
-        differ = [r for r, rep in enumerate(reports) if rep["digest"] != reports[0]["digest"]]
-        if differ:
-            raise ConfigError(f"ranks {differ} submitted other prompts or sampling parameters "
-                              "than rank 0; under tensor parallelism every rank must call "
-                              "generate/stream with the same requests")
-
-    def generate(self, prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+    def generate(self, prompts: Prompts,
                  params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  chat: bool = False, lora: str | None = None,
                  progress: bool | None = None) -> list[RequestOutput]:
         """Generate for every prompt; returns one :class:`RequestOutput` per prompt, in order.
 
+        A request aborted meanwhile (:meth:`abort`) returns what it had, with finish reason
+        ``"abort"``; a request whose step failed raises the error (the others are aborted).
         Under tensor parallelism every rank returns the same ``token_ids``, ``text`` and
         ``finish_reason``; ``logprobs`` are only on rank 0 (``None`` elsewhere) and the timings
         are each rank's own.
@@ -322,85 +303,60 @@ class LLM:
             progress: show a progress bar of generated tokens (default: for long generations,
                 at least 1024 requested tokens, when stderr is a terminal; rank 0 only).
         """
-        n = 1 if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)) \
-            else len(prompts)
-        per = [params] * n if params is None or isinstance(params, SamplingParams) else params
-        budget = sum((p or SamplingParams()).max_tokens for p in per)
-        if progress is None:
-            progress = budget >= 1024 and sys.stderr.isatty()
-        progress = progress and self.rank == 0
-        bar = tqdm(total=budget, unit="tok", desc="generating", disable=not progress)
-        outputs: dict[str, RequestOutput] = {}
-        for event in self.stream(prompts, params, chat=chat, lora=lora):
-            outputs[event.request_id] = event.output
-            bar.update(len(event.token_ids))
-        bar.close()
-        return [outputs[r] for r in sorted(outputs, key=lambda r: int(r.split("-")[1]))]
-
-    def _loop(self, states: dict[str, _State]) -> Iterator[StreamEvent]:
-        device = self.model.llm_config.device
-        while any(not s.done for s in states.values()):
-            out = self.scheduler.schedule()
-            if out.is_empty:
-                raise RuntimeError("the scheduler has unfinished requests but scheduled nothing")
-            try:
-                result = self.runner.execute(out)
-            except BaseException:
-                self._drop_step(out)
-                raise
-            synchronize(device)
-            now = time.perf_counter()
-            finished = {r.request_id for r in self.scheduler.update(out, result.tokens)}
-            for rid, token in result.tokens.items():
-                state = states.get(rid)
-                if state is None:
-                    continue
-                yield from self._emit(state, token, result.logprobs.get(rid), now,
-                                      rid in finished)
-
-    def _drop_step(self, out: SchedulerOutput) -> None:
-        """A step that failed ends its requests: they are aborted and the step is closed, so
-        the scheduler (and, under tensor parallelism, every rank's alike) can go on."""
-        for s in out.scheduled:
-            self.scheduler.abort_request(s.request_id)
-        self.scheduler.update(out, {})
-
-    def _emit(self, state: _State, token: int, logprobs: TokenLogprobs | None, now: float,
-              finished: bool) -> Iterator[StreamEvent]:
-        out = state.output
-        if out.time_to_first_token is None:
-            out.time_to_first_token = now - state.start
-        out.token_ids.append(token)
-        if state.request.sampling_params.logprobs is not None and logprobs is not None:
-            out.logprobs = (out.logprobs or []) + [logprobs]
-        text = ""
-        if state.stop is not None:
-            step = state.stop.step(token)
-            text = step.text
-            out.text += text
-            if step.finished and not finished:
-                # A stop string (seen only in text) ends the request here.
-                self.scheduler.finish_request(out.request_id, FinishReason.STOP)
-                finished = True
-            if step.finished:
-                # A stop string truncates the text; the tokens that formed it are kept.
-                out.finish_reason = step.finish_reason
-        if finished:
-            state.done = True
-            if out.finish_reason is None:
-                out.finish_reason = (state.request.finish_reason.value
-                                     if state.request.finish_reason else "stop")
-        out.total_seconds = now - state.start
-        yield StreamEvent(out.request_id, text, [token], state.done, out)
+        stream = self._submit(prompts, params, chat, lora)
+        try:
+            n = len(stream.request_ids)
+            per = [params] * n if params is None or isinstance(params, SamplingParams) else params
+            budget = sum((p or SamplingParams()).max_tokens for p in per)
+            if progress is None:
+                progress = budget >= 1024 and sys.stderr.isatty()
+            bar = tqdm(total=budget, unit="tok", desc="generating",
+                       disable=not (progress and self.rank == 0))
+            for event in stream:
+                bar.update(len(event.token_ids))
+            bar.close()
+        finally:
+            stream.cancel()
+        return [stream.outputs[rid] for rid in stream.request_ids]
 
 
-@dataclass
-class _State:
-    request: Request
-    output: RequestOutput
-    start: float
-    stop: StopChecker | None
-    done: bool = False
+def encode_prompt(tokenizer: Any, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+    """Token ids of a prompt: token ids are checked and kept; text is tokenised by
+    ``tokenizer`` (with ``chat``, through its chat template when it has one)."""
+    if not isinstance(prompt, str):
+        ids = list(prompt)
+        if not ids or not all(isinstance(t, int) for t in ids):
+            raise ValueError("a prompt is a string or a non-empty list of token ids")
+        return ids
+    if tokenizer is None:
+        raise ConfigError("this model directory has no tokenizer: pass token ids")
+    if chat and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True,
+            return_dict=False))
+    return list(tokenizer.encode(prompt))
+
+
+def _as_batch(prompts: Prompts) -> list[str | Sequence[int]]:
+    """One prompt (text or token ids) or a list of them, as a list."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]  # type: ignore[list-item]
+    return list(prompts)  # type: ignore[arg-type]
+
+
+def _release(engine: EngineCore, model: Any) -> None:
+    """Stop ``engine`` and drop what holds the model's memory: the KV cache, the captured
+    graphs and the engines (on a GPU, also their weights and arenas, which reference cycles
+    inside the model would otherwise keep until the garbage collector runs)."""
+    if not engine.close():
+        return  # a step is still running on that memory
+    model.release_graphs()
+    model.engines.clear()
+    model.kv_caches.clear()
+    device = model.llm_config.device
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def _join_tensor_parallel(settings: Settings, timeout: float | None
@@ -421,12 +377,6 @@ def _join_tensor_parallel(settings: Settings, timeout: float | None
     return info, owned
 
 
-def _with_lora(p: SamplingParams, lora: str) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(p, lora=lora)
-
-
 def _eos_ids(config, tokenizer) -> list[int]:
     ids = list(config.eos_token_ids)
     tok_eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
@@ -441,4 +391,4 @@ def _load_tokenizer(model_dir: str | Path):
     return load_tokenizer(model_dir)
 
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamEvent", "RequestTooLongError"]
+__all__ = ["LLM", "RequestOutput", "RequestTooLongError", "SamplingParams", "StreamEvent"]

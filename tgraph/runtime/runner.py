@@ -114,5 +114,17 @@ class ModelRunner:
 
 
 def synchronize(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (a no-op off CUDA)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def use_device(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device (a no-op off CUDA).
+
+    A new thread starts on device 0, while collectives (:func:`distributed.comm_device`), CUDA
+    graphs and streams use the current device: a thread that steps a model on another GPU calls
+    this first.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)

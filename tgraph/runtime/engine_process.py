@@ -1,0 +1,323 @@
+"""An :class:`~tgraph.runtime.llm.LLM` whose engine runs in a child process, for asyncio servers.
+
+In one process the HTTP side (parsing, JSON, one server-sent event per token per request) and
+the engine's loop share one interpreter lock, so every token the server sends slows the step
+that makes the next ones. :class:`EngineProcess` loads the model in a child process (spawned)
+and speaks to it over a pipe: submissions and aborts go down, each step's updates of all
+requests come up as one message, with the engine's stats. The parent holds the tokenizer and
+the limits, so it refuses bad requests itself, at once, with the engine's own errors.
+
+It offers what :func:`tgraph.serve.build_app` uses of an ``LLM``: ``engine`` (``submit``,
+``abort``, ``stats``), ``tokenizer``, ``encode``, ``adapters``, ``rank`` and ``close``. Its
+streams are read with ``async for`` on one asyncio event loop, the one that first submits.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import pickle
+import signal
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tgraph.errors import ConfigError
+from tgraph.runtime.engine_core import (
+    EngineClosedError,
+    EngineStats,
+    RequestFailure,
+    RequestStream,
+    RequestUpdate,
+    UpdateQueue,
+)
+from tgraph.runtime.request import Request
+from tgraph.runtime.sampling_params import SamplingParams
+from tgraph.runtime.scheduler import check_fits
+
+__all__ = ["EngineProcess"]
+
+logger = logging.getLogger("tgraph.runtime")
+
+_STOP = "stop"  # ends the child's forwarding thread
+
+
+@dataclass(frozen=True)
+class _Ready:
+    """What the child tells the parent once the model is loaded."""
+
+    tokenizer: Any
+    eos_token_ids: list[int]
+    adapters: list[str]
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    stats: EngineStats
+
+
+class EngineProcess:
+    """Load ``model_dir`` in a child process and run its engine there.
+
+    Args:
+        model_dir: as for :class:`~tgraph.runtime.llm.LLM`.
+        config: as for ``LLM``.
+        llm_options: the other ``LLM`` keyword arguments (``max_model_len``,
+            ``settings_overrides``, ``loras``...); they must pickle.
+
+    Raises:
+        whatever ``LLM(...)`` raised in the child (a bad directory, settings or adapter),
+        or :class:`EngineClosedError` if the child died while loading.
+    """
+
+    rank = 0
+    world_size = 1
+
+    def __init__(self, model_dir: str | Path, config: Any = None, **llm_options: Any) -> None:
+        context = multiprocessing.get_context("spawn")  # CUDA cannot be forked
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_child_main, name="tgraph-engine", daemon=True,
+                                        args=(child, str(model_dir), config, llm_options))
+        self._process.start()
+        child.close()
+        try:
+            kind, payload = self._conn.recv()
+        except (EOFError, OSError):
+            self._process.join()
+            raise EngineClosedError(f"the engine process exited with code "
+                                    f"{self._process.exitcode} while loading the model") from None
+        if kind == "failed":
+            self._process.join()
+            raise payload
+        ready: _Ready = payload
+        self.tokenizer = ready.tokenizer
+        self.adapters = list(ready.adapters)
+        self.engine = _RemoteEngine(self._conn, ready)
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
+        """Token ids of a prompt, as :meth:`LLM.encode <tgraph.runtime.llm.LLM.encode>`."""
+        from tgraph.runtime.llm import encode_prompt
+
+        return encode_prompt(self.tokenizer, prompt, chat)
+
+    def close(self, timeout: float = 60.0) -> None:
+        """Close the engine (requests in flight end with :class:`EngineClosedError`) and wait
+        for the child to exit, freeing its GPU memory. Idempotent."""
+        self.engine._shut(timeout)
+        self._process.join(timeout)
+        if self._process.is_alive():
+            logger.warning("the engine process did not exit within %s s; terminating it", timeout)
+            self._process.terminate()
+            self._process.join()
+
+
+class _RemoteEngine:
+    """The parent's side of the pipe: the engine's submit/abort/stats, and the reader that
+    hands each update to its request's stream."""
+
+    def __init__(self, conn: Any, ready: _Ready) -> None:
+        self._conn = conn
+        self._ready = ready
+        self._stats = ready.stats
+        self._sinks: dict[str, UpdateQueue] = {}
+        self._send_lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.closed = False
+
+    # ---- the engine's interface ----------------------------------------------------------------
+    def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
+               request_id: str | None = None) -> RequestStream:
+        """Queue one request (see :meth:`EngineCore.submit
+        <tgraph.runtime.engine_core.EngineCore.submit>`); call it from the event loop that
+        reads the streams. Bad requests are refused here, before anything is sent."""
+        if self.closed:
+            raise EngineClosedError("the engine is closed")
+        self._attach()
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            raise ValueError("an engine in another process needs explicit request ids")
+        if request_id in self._sinks:
+            raise ValueError(f"request id(s) {[request_id]} are already in use")
+        r = self._ready
+        request = Request.from_sampling_params(request_id, list(prompt_token_ids), params,
+                                               r.eos_token_ids)
+        check_fits(request, r.max_model_len, r.num_blocks, r.block_size)
+        if params.lora is not None and params.lora not in r.adapters:
+            raise ValueError(f"request {request_id!r}: LoRA adapter {params.lora!r} is not "
+                             f"loaded; loaded: {sorted(r.adapters)}")
+        sink = UpdateQueue()
+        self._sinks[request_id] = sink
+        stream = RequestStream(self, [request], sink, self)
+        self._send(("submit", request_id, request.prompt_token_ids, params))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (ignored when unknown or finished)."""
+        if request_id in self._sinks and not self.closed:
+            self._send(("abort", request_id))
+
+    post_abort = abort  # what a dropped stream's finalizer calls
+
+    def stats(self) -> EngineStats:
+        """The engine's stats as of its last reported step (any thread may ask)."""
+        return self._stats
+
+    # ---- the pipe ------------------------------------------------------------------------------
+    def _send(self, message: tuple) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send(message)
+        except (OSError, EOFError, BrokenPipeError):
+            self._lost()
+            raise EngineClosedError("the engine process is gone") from None
+
+    def _attach(self) -> None:
+        """Read the pipe from the running event loop (the first one that asks)."""
+        if self._loop is not None or self.closed:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            raise ConfigError("an engine in another process is used from an asyncio event "
+                              "loop") from None
+        loop.add_reader(self._conn.fileno(), self._read)
+        self._loop = loop
+
+    def _read(self) -> None:
+        try:
+            while self._conn.poll():
+                self._dispatch(self._conn.recv())
+        except (EOFError, OSError):
+            self._lost()
+
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "updates":
+            _, items, self._stats = message
+            for item in items:
+                sink = self._sinks.get(item.request_id)
+                if sink is None:
+                    continue
+                if isinstance(item, RequestFailure) or item.finish_reason is not None:
+                    del self._sinks[item.request_id]
+                sink.put(item)
+        elif kind == "closed":
+            self._lost("the engine was closed before the request finished")
+
+    def _lost(self, why: str = "the engine process exited") -> None:
+        """Fail every open request: nothing more will come."""
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except (OSError, ValueError, RuntimeError):
+                pass
+            self._loop = None
+        self.closed = True
+        sinks, self._sinks = self._sinks, {}
+        for rid, sink in sinks.items():
+            sink.put(RequestFailure(rid, EngineClosedError(why)))
+
+    def _shut(self, timeout: float) -> None:
+        """Ask the child to close and read what it still sends until it has."""
+        if self.closed:
+            return
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self._conn.fileno())
+            except (OSError, ValueError, RuntimeError):
+                pass
+            self._loop = None
+        try:
+            with self._send_lock:
+                self._conn.send(("close",))
+            while self._conn.poll(timeout):
+                message = self._conn.recv()
+                self._dispatch(message)
+                if message[0] == "closed":
+                    break
+        except (EOFError, OSError):
+            pass
+        self._lost("the engine was closed before the request finished")
+
+
+# ---- the child -----------------------------------------------------------------------------------
+def _child_main(conn: Any, model_dir: str, config: Any, options: dict[str, Any]) -> None:
+    """Load the model, then serve the parent's messages until it says close (or goes away)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the group; the parent drains
+    from tgraph.runtime.llm import LLM
+
+    try:
+        llm = LLM(model_dir, config, **options)
+    except BaseException as err:  # told to the parent, which raises it
+        conn.send(("failed", _portable(err)))
+        conn.close()
+        return
+    engine = llm.engine
+    scheduler = engine.scheduler
+    allocator = scheduler.allocator
+    conn.send(("ready", _Ready(llm.tokenizer, list(llm.eos_token_ids), llm.adapters,
+                               scheduler.max_model_len, allocator.num_blocks,
+                               allocator.block_size, engine.stats())))
+    sink = UpdateQueue()  # every request's updates, in the order the loop produced them
+    send_lock = threading.Lock()
+    forwarder = threading.Thread(target=_forward, args=(conn, sink, engine, send_lock),
+                                 name="tgraph-engine-forwarder", daemon=True)
+    forwarder.start()
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):  # the parent is gone
+            break
+        kind = message[0]
+        if kind == "submit":
+            _, rid, prompt, params = message
+            try:
+                engine.submit_to(sink, prompt, params, rid)
+            except Exception as err:
+                sink.put(RequestFailure(rid, _portable(err)))
+        elif kind == "abort":
+            engine.abort(message[1])
+        elif kind == "close":
+            break
+    llm.close()  # fails what is still in flight, into the sink
+    sink.put(_STOP)  # type: ignore[arg-type]
+    forwarder.join()
+    try:
+        with send_lock:
+            conn.send(("closed",))
+        conn.close()
+    except (OSError, EOFError):
+        pass
+
+
+def _forward(conn: Any, sink: UpdateQueue, engine: Any, send_lock: threading.Lock) -> None:
+    """Send what the loop put in ``sink``, everything queued at once, with the stats."""
+    while True:
+        items: list[RequestUpdate | RequestFailure] = [sink.get()]
+        while (item := sink.get_nowait()) is not None:
+            items.append(item)
+        stop = _STOP in items
+        items = [i for i in items if i is not _STOP]
+        for i, item in enumerate(items):
+            if isinstance(item, RequestFailure):
+                items[i] = RequestFailure(item.request_id, _portable(item.error))
+        try:
+            stats = engine.stats()
+            with send_lock:
+                conn.send(("updates", items, stats))
+        except (OSError, EOFError):  # the parent is gone
+            return
+        if stop:
+            return
+
+
+def _portable(err: BaseException) -> BaseException:
+    """``err`` if it pickles, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(err))
+        return err
+    except Exception:
+        return RuntimeError(f"{type(err).__name__}: {err}")
