@@ -1,7 +1,12 @@
-"""``python -m tgraph.bench [kernels|models|lora] [--json/--out FILE] [--png FILE] [--presets ...]``
+"""``python -m tgraph.bench [kernels|models|lora|serve] [--json/--out FILE] [--png FILE]
+[--presets ...]``
 
 ``lora``: decode-step latency of the base model, a mixed batch of 4 adapters and a single
 adapter (default: llama-3.2-1b, batch 16, context 512); see :mod:`tgraph.bench.lora`.
+
+``serve``: ``tgraph serve`` under a replayed request mix (shared system prompt, Poisson arrivals
+and a saturation run), with and without prefix caching, against offline ``LLM.generate``; see
+:mod:`tgraph.bench.serve`.
 """
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import sys
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tgraph.bench")
-    parser.add_argument("what", choices=("kernels", "models", "lora", "all"), nargs="?",
+    parser.add_argument("what", choices=("kernels", "models", "lora", "serve", "all"), nargs="?",
                         default="all", help="all: kernels and models")
     parser.add_argument("--json", "--out", dest="json", help="write results as JSON")
     parser.add_argument("--png", help="draw a chart (models)")
@@ -23,6 +28,18 @@ def main(argv=None) -> int:
     parser.add_argument("--profile", action="store_true",
                         help="lora: also print each system's kernels by time (torch profiler) and "
                              "its step kernel by kernel (tgraph.bench.timeline)")
+    parser.add_argument("--rates", nargs="*", type=float, default=[4.0, 16.0],
+                        help="serve: Poisson arrival rates, requests/s (besides saturation)")
+    parser.add_argument("--num-requests", type=int, default=256, help="serve: requests per run")
+    parser.add_argument("--system-tokens", type=int, default=1024,
+                        help="serve: length of the shared system prompt")
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="serve: tokens generated per request")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="serve: a setting for the model and server")
+    parser.add_argument("--server-arg", dest="server_args", action="append", default=[],
+                        metavar="ARG", help="serve: an option for `tgraph serve` (repeat: "
+                                            "--server-arg=--in-process)")
     args = parser.parse_args(argv)
     import torch
 
@@ -38,6 +55,14 @@ def main(argv=None) -> int:
 
         run_model_bench(args.presets, args.batches or [1, 16, 64], args.peers, args.json,
                         args.png)
+    if args.what == "serve":
+        from tgraph.bench.serve import run_serve_bench
+
+        for name in args.presets or [None]:
+            run_serve_bench(name, num_requests=args.num_requests, rates=args.rates,
+                            system_tokens=args.system_tokens, max_tokens=args.max_tokens,
+                            settings=args.overrides, json_path=args.json, png_path=args.png,
+                            server_args=args.server_args)
     if args.what == "lora":
         from tgraph.bench.lora import run_lora_bench
 
