@@ -104,6 +104,7 @@ def test_streams_end_when_the_engine_closes_or_its_process_dies(model_dir: Path)
                 os.kill(engine._process.pid, signal.SIGKILL)
             with pytest.raises(EngineClosedError):
                 await asyncio.wait_for(_collect(events), WAIT_S)
+            assert engine.engine.closed  # what the server's /health reports (503)
             with pytest.raises(EngineClosedError):
                 engine.engine.submit(PROMPTS[1], GREEDY, request_id="after")
 

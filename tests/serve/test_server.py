@@ -282,6 +282,17 @@ def test_full_queue_is_429_with_retry_after(llm: Any) -> None:
 
 
 # ---- models, health, metrics ---------------------------------------------------------------------
+def test_health_is_503_once_the_engine_is_closed(model_dir: Path, url: str) -> None:
+    from fastapi.testclient import TestClient
+
+    assert httpx.get(f"{url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    closed = LLM(model_dir, **OPTIONS)
+    closed.close()
+    with TestClient(build_app(closed, ServerConfig(served_model_name=MODEL))) as http:
+        r = http.get("/health")
+    assert r.status_code == 503 and r.json() == {"status": "engine closed"}
+
+
 def test_models_lists_the_served_name(client: Any) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
 

@@ -93,7 +93,7 @@ class EngineProcess:
         ready: _Ready = payload
         self.tokenizer = ready.tokenizer
         self.adapters = list(ready.adapters)
-        self.engine = _RemoteEngine(self._conn, ready)
+        self.engine = _RemoteEngine(self._conn, ready, self._process)
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt, as :meth:`LLM.encode <tgraph.runtime.llm.LLM.encode>`."""
@@ -116,14 +116,20 @@ class _RemoteEngine:
     """The parent's side of the pipe: the engine's submit/abort/stats, and the reader that
     hands each update to its request's stream."""
 
-    def __init__(self, conn: Any, ready: _Ready) -> None:
+    def __init__(self, conn: Any, ready: _Ready, process: Any) -> None:
         self._conn = conn
         self._ready = ready
+        self._process = process
         self._stats = ready.stats
         self._sinks: dict[str, UpdateQueue] = {}
         self._send_lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self.closed = False
+        self._closed = False
+
+    @property
+    def closed(self) -> bool:
+        """Whether the engine was closed or its process is gone."""
+        return self._closed or not self._process.is_alive()
 
     # ---- the engine's interface ----------------------------------------------------------------
     def submit(self, prompt_token_ids: Sequence[int], params: SamplingParams | None = None,
@@ -132,7 +138,7 @@ class _RemoteEngine:
         <tgraph.runtime.engine_core.EngineCore.submit>`); call it from the event loop that
         reads the streams. Bad requests are refused here, before anything is sent."""
         if self.closed:
-            raise EngineClosedError("the engine is closed")
+            raise EngineClosedError("the engine is closed (or its process is gone)")
         self._attach()
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -215,14 +221,14 @@ class _RemoteEngine:
             except (OSError, ValueError, RuntimeError):
                 pass
             self._loop = None
-        self.closed = True
+        self._closed = True
         sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
             sink.put(RequestFailure(rid, EngineClosedError(why)))
 
     def _shut(self, timeout: float) -> None:
         """Ask the child to close and read what it still sends until it has."""
-        if self.closed:
+        if self._closed:
             return
         if self._loop is not None:
             try:

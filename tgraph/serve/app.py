@@ -134,8 +134,10 @@ def build_app(llm: Any, config: ServerConfig) -> FastAPI:
         return choices
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if engine.closed:  # closed, its loop failed, or its process died: take us out of rotation
+            return JSONResponse({"status": "engine closed"}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
