@@ -9,13 +9,19 @@ A rule file is a YAML list; each rule says which modules it matches and what bec
       recursive: false          # and let no rule reach its children
 
 * ``match.name`` is a regex *searched* in the dotted module name (``model.layers.0.mlp``);
-  ``match.class`` an importable class path tested with ``isinstance``. All given keys must match.
+  ``match.class`` a class path tested with ``isinstance``. All given keys must match.
 * ``replace.class`` is a class with ``from_module(cls, module, **kwargs)`` building the new
   module from the old one (sharing its Parameters: no weight is read again), or ``"default"``:
   keep the module, calling ``module.configure(**kwargs)`` when kwargs are given. ``replace`` may
   be left out (``default``, no kwargs): with ``recursive: false`` such a rule fences a subtree.
 * Rules are tried in file order and the first match wins; the module tree is walked top-down, so
   a replaced module's children are visited next (unless the rule says ``recursive: false``).
+* A class path (``match.class``, ``replace.class``) names a class of the ``tgraph`` package, of
+  a module the rule file lists under ``modules:`` (then the file is a mapping
+  ``{modules: [mypkg.layers], rules: [...]}``), of a module passed to :func:`load_rules` as
+  ``modules``, or of the module map (``module_map``, named by its file's stem:
+  ``my_models.MyLinear`` for ``my_models.py``). Any other path is refused by name before anything
+  is imported. A rule file runs the code of the classes it names: it is trusted like code.
 * ``kwargs.device`` (``"cuda:1"``, or ``"cpu:1"``: CPU labels simulate devices) is understood for
   every module and never passed on: the module (replaced or kept) and the children that no rule
   places elsewhere run on that device, their weights move there, their KV caches are allocated
@@ -24,18 +30,22 @@ A rule file is a YAML list; each rule says which modules it matches and what bec
   the batch inputs are expected and the logits come back.
 
 :func:`load_rules` checks everything it can before a model exists (keys, regexes, imports, the
-kwargs against ``from_module`` / ``configure``), so a typo fails in a second, not after minutes of
-weight loading. Every error names the rule index and the field.
+kwargs against ``from_module`` / ``configure`` and their classes' ``check_kwargs``), so a typo
+fails in a second, not after minutes of weight loading. Every error names the rule index and the
+field. The dry run (:func:`dry_run`, ``tgraph rules``) only matches: it calls no ``check_kwargs``,
+``from_module`` or ``configure``.
 """
 from __future__ import annotations
 
 import importlib
 import inspect
 import re
+import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from tgraph.errors import ConfigError, TGraphError
@@ -49,6 +59,7 @@ __all__ = ["DEFAULT", "LinearWithBackend", "Rule", "apply_rules", "dry_run", "fo
            "load_rules", "predict_placement"]
 
 DEFAULT = "default"
+_FILE_KEYS = ("modules", "rules")
 _RULE_KEYS = ("match", "replace", "recursive")
 _MATCH_KEYS = ("name", "class")
 _REPLACE_KEYS = ("class", "kwargs")
@@ -101,14 +112,44 @@ def _fail(where: str, message: str) -> ConfigError:
     return ConfigError(f"{where}: {message}")
 
 
-def _import_class(path: Any, where: str) -> type:
-    """Import ``package.module.Class`` (attribute chains after the module are allowed)."""
+@dataclass(frozen=True)
+class _Scope:
+    """Where class paths may point: module roots (``tgraph`` and the named modules) and the
+    module map's module under its file's stem; ``any_module`` lifts the limit (rules built by
+    Python code, which could import anything itself)."""
+
+    roots: tuple[str, ...] = ("tgraph",)
+    files: Mapping[str, ModuleType] = field(default_factory=dict)
+    any_module: bool = False
+
+    def describe(self) -> str:
+        names = [*self.roots, *(f"{stem} (the module map)" for stem in self.files)]
+        return ", ".join(repr(n) if " " not in n else n for n in names)
+
+
+def _within(path: str, root: str) -> bool:
+    return path == root or path.startswith(root + ".")
+
+
+def _import_class(path: Any, where: str, scope: _Scope = _Scope()) -> type:
+    """Import ``package.module.Class`` (attribute chains after the module are allowed), only from
+    the modules ``scope`` allows: anything else is refused before any import."""
     if not isinstance(path, str) or "." not in path:
         raise _fail(where, f"expected an importable class path like "
                            f"'tgraph.layers.linear.RowParallelLinear', got {path!r}")
     parts = path.split(".")
+    stem = parts[0]
+    if stem in scope.files:
+        return _walk_to_class(scope.files[stem], parts[1:], path, stem, where)
+    roots = [r for r in scope.roots if _within(path, r)]
+    if not roots and not scope.any_module:
+        raise _fail(where, f"class {path!r} is outside the modules rules may use "
+                           f"({scope.describe()}); name its module under the rule file's "
+                           f"'modules:' list if you trust it")
+    # The shortest module a prefix may be: the allowed root itself (never a parent of it).
+    least = min((len(r.split(".")) for r in roots), default=1)
     # The longest importable module prefix, then attributes (a class nested in a class works).
-    for split in range(len(parts) - 1, 0, -1):
+    for split in range(len(parts) - 1, least - 1, -1):
         module_name = ".".join(parts[:split])
         try:
             obj: Any = importlib.import_module(module_name)
@@ -121,16 +162,21 @@ def _import_class(path: Any, where: str) -> type:
         except Exception as err:
             raise _fail(where, f"importing {module_name!r} for {path!r} failed: "
                                f"{type(err).__name__}: {err}") from err
-        try:
-            for attr in parts[split:]:
-                obj = getattr(obj, attr)
-        except AttributeError:
-            raise _fail(where, f"module {module_name!r} has no {'.'.join(parts[split:])!r} "
-                               f"(for {path!r})") from None
-        if not isinstance(obj, type):
-            raise _fail(where, f"{path!r} is a {type(obj).__name__}, not a class")
-        return obj
-    raise _fail(where, f"cannot import {path!r}: no module {parts[0]!r}")
+        return _walk_to_class(obj, parts[split:], path, module_name, where)
+    raise _fail(where, f"cannot import {path!r}: no module {'.'.join(parts[:least])!r}")
+
+
+def _walk_to_class(obj: Any, attrs: Sequence[str], path: str, module_name: str,
+                   where: str) -> type:
+    try:
+        for attr in attrs:
+            obj = getattr(obj, attr)
+    except AttributeError:
+        raise _fail(where, f"module {module_name!r} has no {'.'.join(attrs)!r} "
+                           f"(for {path!r})") from None
+    if not isinstance(obj, type):
+        raise _fail(where, f"{path!r} is a {type(obj).__name__}, not a class")
+    return obj
 
 
 def _check_keys(value: Any, allowed: Sequence[str], where: str) -> Mapping[str, Any]:
@@ -176,7 +222,8 @@ def _check_values(cls: type, kwargs: Mapping[str, Any], where: str) -> None:
             raise _fail(where, str(err)) from None
 
 
-def _parse_rule(raw: Any, index: int, check_devices: bool = True) -> Rule:
+def _parse_rule(raw: Any, index: int, check_devices: bool = True, scope: _Scope = _Scope(),
+                hooks: bool = True) -> Rule:
     where = f"rule {index}"
     raw = _check_keys(raw, _RULE_KEYS, where)
     if "match" not in raw:
@@ -193,7 +240,7 @@ def _parse_rule(raw: Any, index: int, check_devices: bool = True) -> Rule:
             pattern = re.compile(match["name"])
         except re.error as err:
             raise _fail(f"{where}.match.name", f"invalid regex {match['name']!r}: {err}") from None
-    match_class = _import_class(match["class"], f"{where}.match.class") \
+    match_class = _import_class(match["class"], f"{where}.match.class", scope) \
         if "class" in match else None
 
     replace = raw.get("replace", DEFAULT)
@@ -222,16 +269,18 @@ def _parse_rule(raw: Any, index: int, check_devices: bool = True) -> Rule:
                             f"kwargs to its configure(), but {match_class.__name__} has none")
             _check_call(configure, kwargs, f"{match_class.__name__}.configure",
                         f"{where}.replace.kwargs", leading=1)
-            _check_values(match_class, kwargs, f"{where}.replace.kwargs")
+            if hooks:
+                _check_values(match_class, kwargs, f"{where}.replace.kwargs")
     else:
-        replace_class = _import_class(class_path, f"{where}.replace.class")
+        replace_class = _import_class(class_path, f"{where}.replace.class", scope)
         from_module = getattr(replace_class, "from_module", None)
         if not callable(from_module):
             raise _fail(f"{where}.replace.class", f"{class_path!r} has no from_module(module, "
                                                   f"**kwargs) classmethod")
         _check_call(from_module, kwargs, f"{replace_class.__name__}.from_module",
                     f"{where}.replace.kwargs", leading=1)
-        _check_values(replace_class, kwargs, f"{where}.replace.kwargs")
+        if hooks:
+            _check_values(replace_class, kwargs, f"{where}.replace.kwargs")
 
     recursive = raw.get("recursive", True)
     if not isinstance(recursive, bool):
@@ -239,24 +288,38 @@ def _parse_rule(raw: Any, index: int, check_devices: bool = True) -> Rule:
     return Rule(index, pattern, match_class, replace_class, kwargs, recursive, device)
 
 
-def load_rules(source: str | Path | Sequence[Mapping[str, Any]], *,
-               check_devices: bool = True) -> list[Rule]:
+def load_rules(source: str | Path | Sequence[Mapping[str, Any]] | Mapping[str, Any], *,
+               check_devices: bool = True, modules: Sequence[str] = (),
+               module_map: str | Path | None = None, any_module: bool | None = None,
+               hooks: bool = True) -> list[Rule]:
     """Read and validate injection rules.
 
     Args:
-        source: a YAML file path, or the already-parsed list of rule mappings.
+        source: a YAML file path, or the already-parsed rules: a list of rule mappings, or a
+            mapping ``{modules: [...], rules: [...]}`` (the form a file listing modules takes).
         check_devices: refuse ``kwargs.device`` values this machine does not have (``cuda:3``
             on a 2-GPU machine, any ``cuda`` without CUDA); ``False`` only checks the spelling
             (a dry run of a GPU rule file on a laptop).
+        modules: module names whose classes the rules may name, besides ``tgraph`` and the
+            source's own ``modules:`` list.
+        module_map: the user's module map file (imported if it is not yet): its classes may be
+            named by the file's stem (``my_models.MyLinear``).
+        any_module: let class paths name any importable module. ``None`` (default): only for
+            rules given as Python objects (built by code, which could import anything itself);
+            a YAML file is always limited. Pass ``False`` for parsed rules that came from a
+            file or a setting.
+        hooks: call the classes' ``check_kwargs`` (``False``: the dry run, which only matches).
 
     Returns:
         The rules, in file order.
 
     Raises:
-        ConfigError: an unreadable file or invalid rule; the message names the rule index and
-            the field (``rule 2.replace.kwargs: ...``).
+        ConfigError: an unreadable file, an invalid rule or a class outside the allowed modules
+            (refused before anything is imported); the message names the rule index and the
+            field (``rule 2.replace.kwargs: ...``).
     """
-    if isinstance(source, (str, Path)):
+    from_file = isinstance(source, (str, Path))
+    if from_file:
         import yaml
 
         path = Path(source)
@@ -272,9 +335,53 @@ def load_rules(source: str | Path | Sequence[Mapping[str, Any]], *,
             raw = []  # an empty file: no rules
     else:
         raw = source
+    listed: Sequence[Any] = ()
+    if isinstance(raw, Mapping) and raw and all(k in _FILE_KEYS for k in raw):
+        listed = raw.get("modules") or ()
+        raw = raw.get("rules") or []
     if not isinstance(raw, (list, tuple)):
-        raise ConfigError(f"rules: expected a list of rules, got {type(raw).__name__}")
-    return [_parse_rule(r, i, check_devices) for i, r in enumerate(raw)]
+        raise ConfigError(f"rules: expected a list of rules (or a mapping with keys "
+                          f"{list(_FILE_KEYS)}), got {type(raw).__name__}")
+    scope = _Scope(("tgraph", *_module_names(modules, "modules"),
+                    *_module_names(listed, "rules.modules")),
+                   _module_map_scope(module_map),
+                   (not from_file) if any_module is None else any_module)
+    return [_parse_rule(r, i, check_devices, scope, hooks) for i, r in enumerate(raw)]
+
+
+_MODULE_NAME = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+
+
+def _module_names(names: Any, where: str) -> tuple[str, ...]:
+    if isinstance(names, str) or not isinstance(names, (list, tuple)) or \
+            not all(isinstance(n, str) and _MODULE_NAME.fullmatch(n) for n in names):
+        raise _fail(where, f"expected a list of dotted module names like ['mypkg.layers'], "
+                           f"got {names!r}")
+    return tuple(names)
+
+
+def _module_map_scope(module_map: str | Path | None) -> dict[str, ModuleType]:
+    """The module map's module under its file's stem (imported here if it is not yet)."""
+    if module_map is None:
+        return {}
+    path = Path(module_map).resolve()
+
+    def loaded() -> ModuleType | None:
+        for module in list(sys.modules.values()):
+            file = getattr(module, "__file__", None)
+            if file is not None and Path(file).resolve() == path:
+                return module
+        return None
+
+    module = loaded()
+    if module is None:
+        from tgraph.models.registry import load_module_map
+
+        load_module_map(path)
+        module = loaded()
+    if module is None:
+        raise ConfigError(f"module map {str(module_map)!r} could not be imported")
+    return {path.stem: module}
 
 
 # ---------------------------------------------------------------------------------- applying
@@ -305,8 +412,8 @@ def _apply_one(rule: Rule, name: str, module: Module) -> Module:
     return new
 
 
-def apply_rules(model: Module, rules: Sequence[Rule], *, warn_unused: bool = True
-                ) -> list[tuple[str, int | None]]:
+def apply_rules(model: Module, rules: Sequence[Rule], *, warn_unused: bool = True,
+                replace: bool = True) -> list[tuple[str, int | None]]:
     """Apply ``rules`` to ``model``'s sub-modules in place, top-down.
 
     Call it before the model's first ``run``: engines already built keep the old modules' graph.
@@ -322,6 +429,9 @@ def apply_rules(model: Module, rules: Sequence[Rule], *, warn_unused: bool = Tru
         model: the root module (e.g. what :func:`tgraph.models.load_model` returns).
         rules: from :func:`load_rules`.
         warn_unused: ``warnings.warn`` for each rule that matched no module.
+        replace: ``False`` only matches (the dry run): no ``from_module`` or ``configure`` is
+            called, no module is replaced or placed, and the walk goes on into the matched
+            module's own children.
 
     Returns:
         ``(dotted module name, index of the rule that matched or None)`` for every module the
@@ -349,18 +459,18 @@ def apply_rules(model: Module, rules: Sequence[Rule], *, warn_unused: bool = Tru
                 visit(child, name)
                 continue
             used.add(rule.index)
-            new = _apply_one(rule, name, child)
+            new = _apply_one(rule, name, child) if replace else child
             if new is not child:
                 model.set_submodule(name, new)
                 seen.add(id(new))
                 keep_alive.append(new)
-            if rule.device is not None:
+            if rule.device is not None and replace:
                 new.place(rule.device)
             if rule.recursive:
                 visit(new, name)
 
     visit(model, "")
-    if any(r.device is not None and r.index in used for r in rules):
+    if replace and any(r.device is not None and r.index in used for r in rules):
         for message in apply_placement(model, model_device(model)):
             warnings.warn(message, stacklevel=2)
     if warn_unused:
@@ -506,12 +616,17 @@ class LinearWithBackend(LinearBase):
 # ---------------------------------------------------------------------------------- dry run
 def dry_run(model_dir: str | Path, rules: str | Path | Sequence[Mapping[str, Any]], *,
             module_map: str | Path | None = None) -> tuple[str, list[str]]:
-    """Apply rules to a model built on the ``meta`` device (no weight is read) and report.
+    """Match rules against a model built on the ``meta`` device (no weight is read) and report.
+
+    Only matching: no ``check_kwargs``, ``from_module`` or ``configure`` is called, so the report
+    shows which rule hits which module of the model as built (the children a replacement would
+    bring are not listed).
 
     Args:
         model_dir: a checkpoint directory (``config.json`` + safetensors headers are read).
-        rules: a rule file or parsed rules; validated before the model is built.
-        module_map: a Python file registering custom models.
+        rules: a rule file or parsed rules; validated (keys, regexes, allowed class paths,
+            kwargs names) before the model is built.
+        module_map: a Python file registering custom models; rules may name its classes.
 
     Returns:
         ``(report, warnings)``: :func:`format_matches` text, and the no-match warnings.
@@ -520,11 +635,11 @@ def dry_run(model_dir: str | Path, rules: str | Path | Sequence[Mapping[str, Any
 
     from tgraph.io.checkpoint import open_checkpoint, read_config
     from tgraph.models.base.llm_config import LlmConfig
-    from tgraph.models.registry import load_module_map, resolve_model_class
+    from tgraph.models.registry import resolve_model_class
 
-    parsed = load_rules(rules, check_devices=False)  # a GPU rule file may be checked anywhere
-    if module_map is not None:
-        load_module_map(module_map)
+    # check_devices=False: a GPU rule file may be checked anywhere. The module map is imported
+    # here (its classes may be named by the rules), before the model class is resolved.
+    parsed = load_rules(rules, check_devices=False, module_map=module_map, hooks=False)
     config = read_config(model_dir)
     cls = resolve_model_class(config)
     llm = LlmConfig(config, dtype=torch.float32, device="meta",
@@ -534,5 +649,5 @@ def dry_run(model_dir: str | Path, rules: str | Path | Sequence[Mapping[str, Any
     model = cls(llm, loader)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        matches = apply_rules(model, parsed)
+        matches = apply_rules(model, parsed, replace=False)
     return format_matches(matches, parsed), [str(w.message) for w in caught]
