@@ -18,7 +18,7 @@ import traceback
 from collections.abc import Sequence
 
 from tgraph import envs
-from tgraph.errors import TGraphError
+from tgraph.errors import ConfigError, TGraphError
 
 
 def _add_settings(p: argparse.ArgumentParser) -> None:
@@ -67,7 +67,7 @@ def _loras(items: Sequence[str] | None) -> dict[str, str]:
     for item in items or []:
         name, sep, path = item.partition("=")
         if not sep or not name or not path:
-            raise SystemExit(f"tgraph: error: --lora expects NAME=DIR, got {item!r}")
+            raise ConfigError(f"--lora expects NAME=DIR, got {item!r}")
         loras[name] = path
     return loras
 
@@ -90,13 +90,18 @@ def _load(args: argparse.Namespace, in_process: bool = True):
 def _generate(args: argparse.Namespace) -> int:
     from tgraph.runtime.sampling_params import SamplingParams
 
-    llm = _load(args)
-    # Under tensor parallelism every rank generates; rank 0 alone reports.
-    report = llm.rank == 0
+    # Bad sampling options are refused before the model loads.
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
                             repetition_penalty=args.repetition_penalty, stop=args.stop or [],
                             ignore_eos=args.ignore_eos, lora=args.use_lora)
+    loras = _loras(args.lora)
+    if args.use_lora is not None and args.use_lora not in loras:
+        raise ConfigError(f"--use-lora {args.use_lora!r} names no adapter given with --lora; "
+                          f"expected one of {sorted(loras)}")
+    llm = _load(args)
+    # Under tensor parallelism every rank generates; rank 0 alone reports.
+    report = llm.rank == 0
     prompts = args.prompt
     chat = not args.no_chat
     if args.dump_tensors:
@@ -138,7 +143,7 @@ def _serve(args: argparse.Namespace) -> int:
                               default_max_tokens=args.default_max_tokens,
                               gil_switch_interval_s=args.gil_switch_interval)
     except ValueError as err:
-        raise SystemExit(f"tgraph serve: error: {err}") from None
+        raise ConfigError(f"serve: {err}") from None
     llm = _load(args, in_process)
     return serve(llm, config, args.host, args.port, drain_seconds=args.drain_seconds,
                  log_level=args.log_level)

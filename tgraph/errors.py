@@ -46,6 +46,14 @@ class RequestTooLongError(TGraphError, ValueError):
     """A request can never fit in the model's context or the KV cache."""
 
 
+class InvalidRequestError(TGraphError, ValueError):
+    """A request, its prompt or its sampling parameters are malformed (refused at submission)."""
+
+
+class InvalidRequestTypeError(InvalidRequestError, TypeError):
+    """A request field has the wrong type (a prompt that is not text or token ids, ``stop=5``)."""
+
+
 class CaptureError(TGraphError, RuntimeError):
     """A CUDA-graph capture failed; the cause is chained."""
 

@@ -11,11 +11,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tgraph.errors import WeightLoadError
+from tgraph.errors import ConfigError, WeightLoadError
 from tgraph.io.model_config import ModelConfig
 from tgraph.io.weights import SafetensorFileLoader, WeightLoader
 
-__all__ = ["is_gguf", "load_tokenizer", "open_checkpoint", "quantization_of"]
+__all__ = ["check_model_path", "is_gguf", "load_tokenizer", "open_checkpoint",
+           "quantization_of"]
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -35,8 +36,29 @@ def quantization_of(config: ModelConfig) -> dict[str, Any] | None:
     return dict(raw) if raw else None
 
 
+def check_model_path(path: str | Path) -> Path:
+    """Refuse a model path that is neither a directory nor a GGUF file (before anything is read).
+
+    Raises:
+        ConfigError: the path does not exist, or is another kind of file.
+    """
+    p = Path(path)
+    if p.is_dir() or is_gguf(p):
+        return p
+    if not p.exists():
+        raise ConfigError(f"model path '{p}' not found; expected a model directory "
+                          "(config.json + safetensors) or a .gguf file")
+    raise ConfigError(f"model path '{p}' is a file, not a model directory; expected a model "
+                      "directory (config.json + safetensors) or a .gguf file")
+
+
 def read_config(path: str | Path) -> ModelConfig:
-    """The model config of a checkpoint directory or GGUF file."""
+    """The model config of a checkpoint directory or GGUF file.
+
+    Raises:
+        ConfigError: the path is neither, or its config is invalid.
+    """
+    check_model_path(path)
     if is_gguf(path):
         from tgraph.io.gguf import gguf_model_config
 
@@ -75,17 +97,32 @@ def open_checkpoint(path: str | Path, config: ModelConfig | None = None,
 
 
 def load_tokenizer(path: str | Path) -> Any:
-    """The checkpoint's tokenizer (transformers), or ``None`` when it ships none."""
-    p = Path(path)
+    """The checkpoint's tokenizer (transformers), or ``None`` when it ships none.
+
+    Raises:
+        ConfigError: the path is not a model directory or GGUF file, or the tokenizer cannot be
+            built (e.g. it needs the checkpoint's own code: tgraph never runs it).
+    """
+    p = check_model_path(path)
     from transformers import AutoTokenizer
 
     if is_gguf(p):
         try:
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
+                                                 trust_remote_code=False)
         except Exception as err:  # a GGUF whose vocabulary transformers cannot rebuild
             raise WeightLoadError(f"cannot build the tokenizer of {p} from its GGUF metadata: "
                                   f"{err}") from err
     if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                           "tokenizer.model")):
         return None
-    return AutoTokenizer.from_pretrained(str(p))
+    # NOTE: trust_remote_code=False makes transformers refuse a tokenizer whose code ships with
+    # the checkpoint (auto_map) instead of asking on stdin; tgraph never runs such code.
+    try:
+        return AutoTokenizer.from_pretrained(str(p), trust_remote_code=False)
+    except Exception as err:  # transformers raises ValueError, OSError... for unusable files
+        cause = " ".join(str(err).split())
+        raise ConfigError(f"cannot load the tokenizer of '{p}' (expected one transformers "
+                          f"builds without the checkpoint's own code): {type(err).__name__}: "
+                          f"{cause}; pass a tokenizer object instead (LLM(..., tokenizer=...))"
+                          ) from err

@@ -720,6 +720,23 @@ class GGUFLoader(WeightLoader):
                 t = t[torch.from_numpy(order)]
         return t if index is None else t[index]
 
+    def _dtype(self, name: str) -> torch.dtype | None:
+        return DENSE_TYPES.get(self._infos[name].ggml_type)
+
+    def _row_chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
+        info = self._infos[name]
+        dtype = DENSE_TYPES.get(info.ggml_type)
+        if dtype is None:
+            return self._read(name, (slice(start, stop),))  # refuses with the type's name
+        rows = info.shape[0]
+        row_bytes = info.nbytes // rows
+        handle = self._file()
+        handle.seek(info.offset + start * row_bytes)
+        buf = np.empty((stop - start) * row_bytes, dtype=np.uint8)
+        if handle.readinto(buf) != buf.size:
+            raise WeightLoadError(f"'{self.path}': tensor {info.describe()} is cut off")
+        return torch.from_numpy(buf).view(dtype).reshape(stop - start, *info.shape[1:])
+
     # ------------------------------------------------------------------------- hook impls
     def _names(self) -> Sequence[str]:
         return list(self._infos)

@@ -152,6 +152,9 @@ class ModelConfig:
             raise ConfigError(
                 f"{file}: invalid JSON at line {exc.lineno} column {exc.colno}: {exc.msg}"
             ) from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{file}: not a text file ({exc.reason} at byte {exc.start}); "
+                              "expected a JSON model config") from exc
         return cls.from_dict(data, source=str(file))
 
     @classmethod

@@ -37,6 +37,14 @@ __all__ = [
     "PICKLE_PATTERNS",
 ]
 
+# safetensors header dtype names -> torch dtypes.
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
+}
+
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 # Files that are (or usually are) pickles. They are only ever listed, never opened.
@@ -122,6 +130,14 @@ class WeightLoader(ABC):
     def _read(self, name: str, index: Index | None) -> torch.Tensor:
         """Read an existing tensor (or the part of it selected by ``index``), in its own dtype."""
 
+    def _dtype(self, name: str) -> torch.dtype | None:
+        """Stored dtype of an existing tensor without reading it; ``None``: unknown."""
+        return None
+
+    def _row_chunk(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Rows ``start .. stop - 1`` of an existing tensor, in its own dtype, on the CPU."""
+        return self._read(name, (slice(start, stop),))
+
     @abstractmethod
     def _describe_sources(self) -> str:
         """Where tensors were looked for, for error messages."""
@@ -192,6 +208,46 @@ class WeightLoader(ABC):
         if real in self._quantized:
             return self._quantized[real].shape
         return self._shape(real)
+
+    def stored_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype ``name`` is stored in, known without reading its data; ``None`` for a
+        quantized weight's logical name or when the reader cannot tell."""
+        real = self._resolve(name)
+        return None if real in self._quantized else self._dtype(real)
+
+    def non_floating(self) -> list[tuple[str, torch.dtype]]:
+        """``(name, dtype)`` of every tensor of :meth:`names` stored in an integer or bool dtype.
+
+        Quantized weights are left out: their integer parts are read through their scheme. A
+        dense weight stored as integers would be converted to the model's dtype and compute
+        garbage, so the model loaders refuse what this returns.
+        """
+        out = []
+        for name in self.names():
+            dtype = self.stored_dtype(name)
+            if dtype is not None and not dtype.is_floating_point:
+                out.append((name, dtype))
+        return out
+
+    def iter_chunks(self, name: str, max_bytes: int = 64 << 20) -> Iterable[torch.Tensor]:
+        """Yield a dense tensor's values in its stored dtype, a few rows at a time, so that a
+        whole checkpoint can be scanned in bounded memory (nothing is marked used).
+
+        Args:
+            name: a checkpoint tensor (not a quantized weight's logical name).
+            max_bytes: the most bytes of one chunk (at least one row is read).
+        """
+        real = self._resolve(name)
+        shape = self._shape(real)
+        if len(shape) == 0:
+            yield self._read(real, None)
+            return
+        dtype = self._dtype(real)
+        item = torch.empty((), dtype=dtype).element_size() if dtype is not None else 4
+        row_bytes = max(1, item * int(torch.Size(shape[1:]).numel()))
+        step = max(1, max_bytes // row_bytes)
+        for start in range(0, shape[0], step):
+            yield self._row_chunk(real, start, min(shape[0], start + step))
 
     def alias(self, name: str, target: str) -> None:
         """Read ``target`` whenever ``name`` is asked for but absent from the checkpoint.
@@ -570,6 +626,9 @@ class SafetensorFileLoader(WeightLoader):
             return self._handle(self._map()[name]).get_tensor(name)
         return self._slice(name)[index]
 
+    def _dtype(self, name: str) -> torch.dtype | None:
+        return SAFETENSORS_DTYPES.get(self._slice(name).get_dtype())
+
     def _describe_sources(self) -> str:
         return f"{self.model_dir} (files searched: {', '.join(f.name for f in self.files)})"
 
@@ -637,6 +696,9 @@ class DictWeightLoader(WeightLoader):
     def _read(self, name: str, index: Index | None) -> torch.Tensor:
         tensor = self._tensors[name]
         return tensor if index is None else tensor[index]
+
+    def _dtype(self, name: str) -> torch.dtype | None:
+        return self._tensors[name].dtype
 
     def _describe_sources(self) -> str:
         return f"the in-memory weights ({len(self._tensors)} tensors)"

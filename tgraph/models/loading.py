@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tgraph.errors import ConfigError, WeightLoadError
-from tgraph.io.checkpoint import open_checkpoint, read_config
+from tgraph.io.checkpoint import is_gguf, open_checkpoint, read_config
 from tgraph.io.model_config import ModelConfig
-from tgraph.io.weights import SafetensorFileLoader
+from tgraph.io.weights import SafetensorFileLoader, WeightLoader
 from tgraph.models.base.llm_config import LlmConfig
 from tgraph.models.registry import load_module_map, resolve_model_class
 from tgraph.quant import is_quantized
@@ -68,11 +68,36 @@ class _PlacingLoader(SafetensorFileLoader):
         return self.device if target is None else target
 
 
-def _parse_rules(rules: str | Path | Sequence[Any]) -> list[Rule]:
+def check_max_model_len(value: Any) -> None:
+    """Refuse a ``max_model_len`` that is not ``None`` or an int >= 1.
+
+    Raises:
+        ConfigError: naming the value.
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"max_model_len must be None (the model's, capped at 8192) or an int "
+                          f">= 1, got {value!r}")
+
+
+def check_floating(loader: WeightLoader) -> list[str]:
+    """One message per dense checkpoint tensor stored in an integer or bool dtype (read from the
+    headers: no weight is read). Such a tensor is not a weight a model can use: converted to
+    the model's dtype it would compute garbage. Integer storage is read only through a
+    quantization scheme (``quantization_config`` in config.json, or a GGUF file), whose parts
+    :meth:`~tgraph.io.weights.WeightLoader.non_floating` leaves out."""
+    return [f"tensor '{name}' is stored as {str(dtype).removeprefix('torch.')}; expected a "
+            "floating dtype (float32, float16, bfloat16 or fp8), or a quantization scheme in "
+            "config.json's quantization_config that stores it as integers"
+            for name, dtype in loader.non_floating() if not name.endswith(_IGNORED_SUFFIXES)]
+
+
+def _parse_rules(rules: str | Path | Sequence[Any], module_map: str | Path | None) -> list[Rule]:
     from tgraph.rules import Rule, load_rules
 
     if isinstance(rules, (str, Path)) or not all(isinstance(r, Rule) for r in rules):
-        return load_rules(rules)
+        return load_rules(rules, module_map=module_map)
     return list(rules)
 
 
@@ -100,7 +125,9 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
         llm_options: other :class:`LlmConfig` fields (graph, block_size, cuda_graph...).
     """
     model_dir = Path(model_dir)
-    parsed = _parse_rules(rules) if rules is not None else None  # bad rules fail before loading
+    check_max_model_len(max_model_len)
+    # bad rules fail before loading; their classes may come from the module map
+    parsed = _parse_rules(rules, module_map) if rules is not None else None
     if module_map is not None:
         load_module_map(module_map)
     config = read_config(model_dir)
@@ -119,6 +146,10 @@ def load_model(model_dir: str | Path, *, dtype: str | torch.dtype | None = "auto
         def make_loader(path, **options):
             return _PlacingLoader(path, device_of=devices, **options)
     _, loader = open_checkpoint(model_dir, config, make_loader, **loader_options)
+    refused = check_floating(loader)
+    if refused:  # before any weight is read
+        more = f" (and {len(refused) - 1} more)" if len(refused) > 1 else ""
+        raise WeightLoadError(refused[0] + more)
     for name in loader.names():
         if name.endswith(_IGNORED_SUFFIXES):
             loader.mark_used(name)
@@ -183,11 +214,16 @@ class CheckReport:
         return "\n".join(lines)
 
 
-def check_model(model_dir: str | Path, module_map: str | Path | None = None) -> CheckReport:
+def check_model(model_dir: str | Path, module_map: str | Path | None = None,
+                chunk_bytes: int = 16 << 20) -> CheckReport:
     """Parse the config and check every expected weight is present with the right shape, and
     that no checkpoint tensor is left unused; report each quantized weight's scheme and the
-    bytes the weights take resident. Weights are read onto the ``meta`` device."""
+    bytes the weights take resident. Weights are read onto the ``meta`` device. Then every
+    floating-point tensor of the checkpoint is scanned for NaN and Inf, ``chunk_bytes`` at a
+    time (memory stays bounded whatever the checkpoint's size); each problem found is
+    reported, not only the first."""
     report = CheckReport(str(model_dir))
+    config = None
     try:
         if module_map is not None:
             load_module_map(module_map)
@@ -199,6 +235,7 @@ def check_model(model_dir: str | Path, module_map: str | Path | None = None) -> 
                         max_model_len=min(config.max_position_embeddings, 64))
         _, loader = open_checkpoint(model_dir, config, device="meta", dtype=torch.float32,
                                     progress=False)
+        report.problems += check_floating(loader)
         for name in loader.names():
             if name.endswith(_IGNORED_SUFFIXES):
                 loader.mark_used(name)
@@ -213,7 +250,43 @@ def check_model(model_dir: str | Path, module_map: str | Path | None = None) -> 
         report.unused = loader.unused_names()
     except (ConfigError, WeightLoadError) as err:
         report.problems.append(str(err))
+    if config is not None:
+        try:
+            report.problems += scan_nonfinite(model_dir, config, chunk_bytes)
+        except WeightLoadError as err:
+            report.problems.append(str(err))
     return report
+
+
+def scan_nonfinite(model_dir: str | Path, config: ModelConfig,
+                   chunk_bytes: int = 16 << 20) -> list[str]:
+    """One message per floating-point checkpoint tensor holding NaN or Inf values.
+
+    Every tensor of the files is read raw (quantized formats' float parts too), a few rows at a
+    time, so memory stays near ``chunk_bytes`` whatever the checkpoint's size.
+    """
+    path = Path(model_dir)
+    if is_gguf(path):
+        _, raw = open_checkpoint(path, config, progress=False)
+    else:
+        raw = SafetensorFileLoader(path, progress=False)  # no quantized view: every part
+    problems = []
+    try:
+        for name in raw.names():
+            dtype = raw.stored_dtype(name)
+            if dtype is None or not dtype.is_floating_point:
+                continue
+            nan = inf = 0
+            for chunk in raw.iter_chunks(name, chunk_bytes):
+                values = chunk.float()
+                nan += int(torch.isnan(values).sum())
+                inf += int(torch.isinf(values).sum())
+            if nan or inf:
+                problems.append(f"tensor '{name}' holds {nan} NaN and {inf} Inf values; "
+                                "expected finite weights")
+    finally:
+        raw.close()
+    return problems
 
 
 def _distinct(weights: list[tuple[str, Any]]) -> list[tuple[str, Any]]:

@@ -37,7 +37,13 @@ from typing import Any, NoReturn
 
 import torch
 
-from tgraph.errors import ConfigError, RequestTooLongError, TGraphError
+from tgraph.errors import (
+    ConfigError,
+    InvalidRequestError,
+    InvalidRequestTypeError,
+    RequestTooLongError,
+    TGraphError,
+)
 from tgraph.nn import distributed
 from tgraph.runtime.outputs import RequestOutput, StreamEvent
 from tgraph.runtime.request import FinishReason, Request
@@ -55,7 +61,11 @@ logger = logging.getLogger("tgraph.runtime")
 # Errors a rank re-raises, by name, when another rank rejected a submission (the same type on
 # every rank keeps SPMD scripts that catch it in step).
 _SHARED_ERRORS: dict[str, type[Exception]] = {
-    cls.__name__: cls for cls in (RequestTooLongError, ConfigError, ValueError, TypeError)}
+    cls.__name__: cls for cls in (RequestTooLongError, InvalidRequestError,
+                                  InvalidRequestTypeError, ConfigError, ValueError, TypeError)}
+
+_INT32_LIMIT = 2**31
+"""Token ids run through the model as int32."""
 
 HEARTBEAT_S = 5.0
 """How often an idle leading rank 0 syncs with its followers, well inside any collective
@@ -762,7 +772,10 @@ class EngineCore:
 
         Raises:
             RequestTooLongError: the request can never fit (``max_model_len`` or the cache).
-            ValueError: a duplicate ``request_id``, an unknown LoRA adapter, a bad prompt.
+            InvalidRequestError: an unknown LoRA adapter, a bad prompt (a token id outside
+                the vocabulary), stop strings without a tokenizer (a ``ValueError``; its
+                ``InvalidRequestTypeError`` subclass, also a ``TypeError``, for wrong types).
+            ValueError: a duplicate ``request_id``.
             EngineClosedError: the engine is closed.
         """
         stream = self._submit([prompt_token_ids], [params or SamplingParams()],
@@ -895,10 +908,22 @@ class EngineCore:
                 loop.next_id = rewind
 
     def _request(self, rid: str, prompt: Sequence[int], params: SamplingParams) -> Request:
+        """Check one request completely (nothing runs for a refused one) and build it."""
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, got {type(params).__name__}")
+            raise InvalidRequestTypeError(
+                f"request {rid!r}: params must be SamplingParams, got "
+                f"{type(params).__name__} {params!r:.60}")
+        if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+            raise InvalidRequestTypeError(
+                f"request {rid!r}: prompt_token_ids must be a list of token ids, got "
+                f"{type(prompt).__name__} {prompt!r:.60}")
         request = Request.from_sampling_params(rid, list(prompt), params,
                                                self._loop.eos_token_ids)
+        self._check_token_ids(rid, request.prompt_token_ids, "prompt_token_ids")
+        if params.stop and self._loop.tokenizer is None:
+            raise InvalidRequestError(
+                f"request {rid!r}: SamplingParams.stop={params.stop!r} needs a tokenizer to find "
+                "the strings in the output, and this model has none; use stop_token_ids instead")
         self._loop.scheduler.check_fits(request)  # reads only the fixed limits
         if params.lora is not None:
             multi = getattr(self.model, "features", {}).get("multi_lora")
@@ -906,9 +931,22 @@ class EngineCore:
                 raise ConfigError(f"request {rid!r} names LoRA adapter {params.lora!r}, but "
                                   f"{type(self.model).__name__} has no multi-LoRA feature")
             if params.lora not in multi.slots:
-                raise ValueError(f"request {rid!r}: LoRA adapter {params.lora!r} is not loaded; "
-                                 f"loaded: {sorted(multi.slots)}")
+                raise InvalidRequestError(
+                    f"request {rid!r}: SamplingParams.lora: LoRA adapter {params.lora!r} is "
+                    f"not loaded; expected one of {sorted(multi.slots)}")
         return request
+
+    def _check_token_ids(self, rid: str, ids: Sequence[int], field: str) -> None:
+        """Refuse token ids outside the model's vocabulary (they would index past the
+        embedding) or beyond int32 (the model's token dtype)."""
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        limit = vocab if isinstance(vocab, int) and vocab > 0 else _INT32_LIMIT
+        bad = [t for t in ids if t >= limit]
+        if bad:
+            what = f"the vocabulary size {vocab}" if limit == vocab else "2**31 (int32)"
+            raise InvalidRequestError(
+                f"request {rid!r}: {field} holds token id(s) {bad[:8]}; expected ids below "
+                f"{what}")
 
     # ---- control -------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:

@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import operator
 import sys
 import time
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,8 +32,14 @@ import torch
 from tqdm import tqdm
 
 from tgraph.config import Settings, load_settings, parse_override, tuning_of
-from tgraph.errors import ConfigError, RequestTooLongError
-from tgraph.models.loading import load_model
+from tgraph.errors import (
+    ConfigError,
+    InvalidRequestError,
+    InvalidRequestTypeError,
+    RequestTooLongError,
+)
+from tgraph.io.checkpoint import check_model_path
+from tgraph.models.loading import check_max_model_len, load_model
 from tgraph.nn import distributed
 from tgraph.runtime.block_manager import BlockAllocator
 from tgraph.runtime.engine_core import BatchStream, EngineCore, EngineStats
@@ -85,6 +92,13 @@ class LLM:
 
     Under torchrun (``WORLD_SIZE`` > 1) the model is split over the ranks; see the module doc.
 
+    Bad options (``max_model_len``, unknown ``disabled_passes``, a model path that is neither a
+    directory nor a ``.gguf`` file, a tokenizer that cannot load) raise a
+    :class:`~tgraph.errors.ConfigError` before any weight is read; a weight stored as integers
+    outside a quantization scheme raises :class:`~tgraph.errors.WeightLoadError`. Bad prompts
+    and parameters given to ``generate`` / ``stream`` raise
+    :class:`~tgraph.errors.InvalidRequestError` before anything is queued.
+
     Attributes:
         engine: the :class:`~tgraph.runtime.engine_core.EngineCore` that runs the requests
             (``submit`` for one request with its own stream, ``abort``, ``stats``).
@@ -110,6 +124,10 @@ class LLM:
                                      base=settings)
         self.settings = settings
         llm = settings.llm
+        # Everything checkable is checked before the process group is joined or a weight read.
+        check_max_model_len(max_model_len)
+        _check_disabled_passes(llm.engine.disabled_passes)
+        check_model_path(model_dir)
         self.dist_info, self._owns_group = _join_tensor_parallel(settings, dist_timeout)
         rank = self.dist_info.rank if self.dist_info else 0
         world_size = self.dist_info.world_size if self.dist_info else 1
@@ -121,7 +139,11 @@ class LLM:
         if llm.engine.rules:
             from tgraph.rules import load_rules
 
-            rules = load_rules(llm.engine.rules)  # bad rules are refused before weights load
+            # Refused before weights load; rules from settings name classes only in tgraph, the
+            # file's `modules:` or the module map.
+            rules = load_rules(llm.engine.rules, module_map=module_map, any_module=False)
+        # A tokenizer that cannot load is refused before the weights are read.
+        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
         start = time.perf_counter()
         # The rules are applied before any graph is recorded; placed weights load in place.
         self.model = load_model(
@@ -134,7 +156,6 @@ class LLM:
         if world_size > 1:
             distributed.check_same_config(self.model.llm_config, what="model config")
         self.load_seconds = time.perf_counter() - start
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
         # Adapters first: loading the first one re-lays the target weights out with room for
         # the adapters' B columns, which the KV-cache sizing below must see, and which would
         # otherwise drop the decode graphs captured below.
@@ -278,8 +299,19 @@ class LLM:
             batch = _as_batch(prompts)
             if params is None or isinstance(params, SamplingParams):
                 params = [params or SamplingParams()] * len(batch)
+            if isinstance(params, (str, Mapping)) or not isinstance(params, Sequence):
+                raise InvalidRequestTypeError(
+                    "params must be SamplingParams or a list of them (one per prompt), got "
+                    f"{type(params).__name__} {params!r:.60}; build one with "
+                    "SamplingParams(**options)")
+            for p in params:
+                if not isinstance(p, SamplingParams):
+                    raise InvalidRequestTypeError(
+                        f"params must hold SamplingParams, got {type(p).__name__} {p!r:.60}")
             if len(params) != len(batch):
-                raise ValueError(f"got {len(params)} SamplingParams for {len(batch)} prompts")
+                raise InvalidRequestError(
+                    f"got {len(params)} SamplingParams for {len(batch)} prompts; expected one "
+                    "per prompt")
             if lora is not None:
                 params = [p if p.lora is not None else replace(p, lora=lora) for p in params]
             ids = [self.encode(prompt, chat) for prompt in batch]
@@ -324,9 +356,13 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[int], chat: bool = Fals
     """Token ids of a prompt: token ids are checked and kept; text is tokenised by
     ``tokenizer`` (with ``chat``, through its chat template when it has one)."""
     if not isinstance(prompt, str):
-        ids = list(prompt)
-        if not ids or not all(isinstance(t, int) for t in ids):
-            raise ValueError("a prompt is a string or a non-empty list of token ids")
+        if isinstance(prompt, (bytes, Mapping)) or not isinstance(prompt, Sequence):
+            raise InvalidRequestTypeError(_PROMPT_TYPES + f", got {type(prompt).__name__} "
+                                          f"{prompt!r:.60}{_hint(prompt)}")
+        ids = [_token_id(t) for t in prompt]
+        if not ids:
+            raise InvalidRequestError("a prompt is a string or a non-empty list of token ids, "
+                                      "got an empty list")
         return ids
     if tokenizer is None:
         raise ConfigError("this model directory has no tokenizer: pass token ids")
@@ -337,10 +373,33 @@ def encode_prompt(tokenizer: Any, prompt: str | Sequence[int], chat: bool = Fals
     return list(tokenizer.encode(prompt))
 
 
+_PROMPT_TYPES = "prompts must be a string, a list of token ids (ints), or a list of those"
+
+
+def _hint(value: object) -> str:
+    return "; convert a tensor with .tolist()" if isinstance(value, torch.Tensor) else ""
+
+
+def _token_id(t: object) -> int:
+    """``t`` as a token id (an int, not a bool), else a typed refusal."""
+    try:
+        if isinstance(t, bool):
+            raise TypeError
+        return operator.index(t)  # type: ignore[arg-type]
+    except TypeError:
+        raise InvalidRequestTypeError(
+            f"a prompt of token ids must hold ints, got {type(t).__name__} {t!r:.40}") from None
+
+
 def _as_batch(prompts: Prompts) -> list[str | Sequence[int]]:
     """One prompt (text or token ids) or a list of them, as a list."""
-    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-        return [prompts]  # type: ignore[list-item]
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (bytes, Mapping)) or not isinstance(prompts, Sequence):
+        raise InvalidRequestTypeError(
+            f"{_PROMPT_TYPES}, got {type(prompts).__name__} {prompts!r:.60}{_hint(prompts)}")
+    if prompts and not isinstance(prompts[0], (str, Sequence)):
+        return [prompts]  # type: ignore[list-item]  # one prompt of token ids
     return list(prompts)  # type: ignore[arg-type]
 
 
@@ -383,6 +442,17 @@ def _eos_ids(config, tokenizer) -> list[int]:
     if tok_eos is not None and tok_eos not in ids:
         ids.append(tok_eos)
     return ids
+
+
+def _check_disabled_passes(names: Sequence[str]) -> None:
+    """Refuse unknown pass names (an eager model builds no engine that would notice)."""
+    from tgraph.passes.pipeline import pass_names
+
+    known = pass_names()
+    unknown = sorted(set(names) - set(known))
+    if unknown:
+        raise ConfigError(f"llm.engine.disabled_passes names unknown pass(es) {unknown}; "
+                          f"expected names from the pipeline: {', '.join(known)}")
 
 
 def _load_tokenizer(model_dir: str | Path):

@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tgraph.errors import RequestTooLongError, TGraphError
+from tgraph.errors import InvalidRequestError, InvalidRequestTypeError, RequestTooLongError
 
 if TYPE_CHECKING:
     from tgraph.runtime.block_manager import BlockTable
@@ -25,10 +25,6 @@ __all__ = [
     "RequestStatus",
     "RequestTooLongError",
 ]
-
-
-class InvalidRequestError(TGraphError, ValueError):
-    """A request, or a token reported for one, is malformed."""
 
 
 class RequestStatus(enum.Enum):
@@ -53,16 +49,18 @@ def _token_list(name: str, ids: Iterable[int] | int | None) -> list[int]:
     if ids is None:
         return []
     if isinstance(ids, (str, bytes)):
-        raise TypeError(f"{name} must be token ids (ints), got {type(ids).__name__}")
+        raise InvalidRequestTypeError(
+            f"{name} must be token ids (ints), got {type(ids).__name__} {ids!r:.40}")
     items = [ids] if not isinstance(ids, Iterable) else list(ids)
     out = []
     for t in items:
         if isinstance(t, bool):
-            raise TypeError(f"{name} must contain ints, got bool {t!r}")
+            raise InvalidRequestTypeError(f"{name} must contain ints, got bool {t!r}")
         try:
             t = operator.index(t)
         except TypeError:
-            raise TypeError(f"{name} must contain ints, got {type(t).__name__} {t!r}") from None
+            raise InvalidRequestTypeError(
+                f"{name} must contain ints, got {type(t).__name__} {t!r:.40}") from None
         if t < 0:
             raise InvalidRequestError(f"{name} must contain non-negative token ids, got {t}")
         out.append(t)
@@ -110,12 +108,14 @@ class Request:
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str):
-            raise TypeError(f"request_id must be a str, got {type(self.request_id).__name__}")
+            raise InvalidRequestTypeError(
+                f"request_id must be a str, got {type(self.request_id).__name__}")
         self.prompt_token_ids = _token_list("prompt_token_ids", self.prompt_token_ids)
         if not self.prompt_token_ids:
             raise InvalidRequestError(f"request {self.request_id!r} has an empty prompt")
         if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int):
-            raise TypeError(f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
+            raise InvalidRequestTypeError(
+                f"max_tokens must be an int, got {type(self.max_tokens).__name__}")
         if self.max_tokens < 1:
             raise InvalidRequestError(
                 f"request {self.request_id!r}: max_tokens must be >= 1, got {self.max_tokens}"
@@ -123,7 +123,8 @@ class Request:
         self.eos_token_ids = tuple(_token_list("eos_token_ids", self.eos_token_ids))
         self.stop_token_ids = tuple(_token_list("stop_token_ids", self.stop_token_ids))
         if self.lora is not None and not isinstance(self.lora, str):
-            raise TypeError(f"lora must be a str or None, got {type(self.lora).__name__}")
+            raise InvalidRequestTypeError(
+                f"lora must be a str or None, got {type(self.lora).__name__}")
 
     @classmethod
     def from_sampling_params(

@@ -2,7 +2,14 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from tgraph.errors import InvalidRequestError, InvalidRequestTypeError
+
+SEED_LIMIT = 2**64
+"""Seeds lie in ``[0, 2**64)``: the sampler mixes them as 64-bit words, so a larger one would
+alias a smaller one."""
 
 
 def _is_int(value: object) -> bool:
@@ -26,13 +33,15 @@ class SamplingParams:
         min_p: drop tokens whose probability is below ``min_p`` times the most likely token's;
             ``0.0`` disables the filter. Must lie in ``[0, 1]``.
         seed: seeds this request's own random stream, so it draws the same tokens whatever
-            batch it runs in; ``None`` shares the sampler's generator.
+            batch it runs in; ``None`` shares the sampler's generator. Must lie in
+            ``[0, 2**64)``.
         repetition_penalty: HF/CTRL penalty (> 0) on every token already seen in the prompt or
             output: a positive logit is divided by it, a negative one multiplied. ``1.0`` is off.
         frequency_penalty: subtracted from a token's logit once per time it was generated.
         presence_penalty: subtracted from a token's logit if it was generated at least once.
         max_tokens: the most tokens to generate (>= 1).
-        stop: strings that end generation; the returned text stops before the match.
+        stop: strings that end generation; the returned text stops before the match (needs a
+            tokenizer: a request with stop strings is refused by a model without one).
         stop_token_ids: token ids that end generation (their text is not returned).
         ignore_eos: keep generating past the tokenizer's end-of-sequence token.
         logprobs: ``None`` returns no log-probabilities; ``n >= 0`` returns the sampled token's
@@ -59,8 +68,9 @@ class SamplingParams:
         # A single stop string is the common OpenAI spelling; store lists only.
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
+        self.stop = _as_list("stop", self.stop, "a string or a list of strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
+                                       "a list of token ids (ints >= 0)")
         self._validate()
 
     def _validate(self) -> None:
@@ -68,42 +78,48 @@ class SamplingParams:
                      "frequency_penalty", "presence_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not math.isfinite(value):
-                raise ValueError(f"SamplingParams.{name} must be a finite number, got {value!r}")
+                raise InvalidRequestError(
+                    f"SamplingParams.{name} must be a finite number, got {value!r}")
         if self.temperature < 0:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"SamplingParams.temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"SamplingParams.top_k must be an int >= 0 (0 = off), got {self.top_k!r}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"SamplingParams.top_p must lie in (0, 1], got {self.top_p}")
+            raise InvalidRequestError(
+                f"SamplingParams.top_p must lie in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"SamplingParams.min_p must lie in [0, 1], got {self.min_p}")
+            raise InvalidRequestError(
+                f"SamplingParams.min_p must lie in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
-            raise ValueError(
+            raise InvalidRequestError(
                 "SamplingParams.repetition_penalty must be > 0 (1.0 = off), "
                 f"got {self.repetition_penalty}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"SamplingParams.seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not 0 <= self.seed < SEED_LIMIT):
+            raise InvalidRequestError(
+                f"SamplingParams.seed must be None or an int in [0, 2**64), got {self.seed!r}")
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(
+            raise InvalidRequestError(
                 f"SamplingParams.max_tokens must be an int >= 1, got {self.max_tokens!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(
+                raise InvalidRequestError(
                     f"SamplingParams.stop must hold non-empty strings, got {self.stop!r}")
         for t in self.stop_token_ids:
             if not _is_int(t) or t < 0:
-                raise ValueError(
+                raise InvalidRequestError(
                     "SamplingParams.stop_token_ids must hold ints >= 0, "
                     f"got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
-            raise ValueError(f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
+            raise InvalidRequestError(
+                f"SamplingParams.ignore_eos must be a bool, got {self.ignore_eos!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"SamplingParams.logprobs must be None or an int >= 0, got {self.logprobs!r}")
         if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
-            raise ValueError(
+            raise InvalidRequestError(
                 f"SamplingParams.lora must be a non-empty adapter name or None, got {self.lora!r}")
 
     @property
@@ -116,3 +132,11 @@ class SamplingParams:
         """Whether any of the repetition / frequency / presence penalties is active."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+def _as_list(name: str, value: object, expected: str) -> list:
+    """``value`` as a list, refusing a scalar or a mapping with a message naming the field."""
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise InvalidRequestTypeError(
+            f"SamplingParams.{name} must be {expected}, got {type(value).__name__} {value!r:.60}")
+    return list(value)

@@ -15,19 +15,12 @@ from typing import Any
 import torch
 
 from tgraph.errors import WeightLoadError
-from tgraph.io.weights import SafetensorFileLoader, WeightLoader
+from tgraph.io.weights import SAFETENSORS_DTYPES, SafetensorFileLoader, WeightLoader
 from tgraph.quant import QuantizedWeight
 
 __all__ = ["FLOATS", "INTS", "Checkpoint", "Plan", "group_perm", "int32_bytes", "pack_int4",
            "skipped"]
 
-# safetensors header dtype names -> torch dtypes.
-_SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-    "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2, "F8_E8M0": torch.float8_e8m0fnu,
-}
 FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 INTS = (torch.int32, torch.int64)
 
@@ -75,7 +68,7 @@ class Checkpoint:
                 handle = self._handle(file)
                 for name in handle.keys():
                     self._files[name] = file
-                    self._dtypes[name] = _SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype())
+                    self._dtypes[name] = SAFETENSORS_DTYPES.get(handle.get_slice(name).get_dtype())
 
     def _handle(self, file: Path) -> Any:
         if file not in self._handles:
