@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -262,3 +263,117 @@ class Binding:
     @property
     def naive_bytes(self) -> int:
         return sum(m.naive_bytes for m in self.memory.values())
+
+
+# ---- the memory of given outputs ----------------------------------------------------------------
+
+def byte_span(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``t`` spans in its device's memory, ``[start, end)``: its storage's address plus
+    its offset (``data_ptr()``) up to the end of its last element; ``None`` when it is empty.
+
+    Distinct storages never share addresses on one device, so two tensors on one device share
+    memory only if their spans intersect (views interleaved in one storage, e.g. two columns of a
+    matrix, count as sharing: the check is by range, not element by element).
+    """
+    start = t.data_ptr()
+    if t.is_contiguous():  # the common case, and the cheapest
+        nbytes = t.nbytes
+        return (start, start + nbytes) if nbytes else None
+    if t.numel() == 0:
+        return None
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory (a stride 0 from ``expand``, or strides that
+    step into one another); layouts interleaved in ways this cannot tell apart are counted too."""
+    if t.is_contiguous():
+        return False
+    reach = 0  # the farthest element offset the faster-moving dims reach
+    for stride, size in sorted((s, n) for n, s in zip(t.shape, t.stride()) if n > 1):
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
+
+
+@dataclass(frozen=True)
+class OutputReads:
+    """What the engine reads from its inputs after it starts writing the given outputs, found once
+    from the plan: every step runs before any output is written, then the outputs are written in
+    the order they were marked, each copied from its value. So an output buffer may share memory
+    with an input only if the network does not write that input in place (a KV cache) and no
+    output written at or after it is a view of that input."""
+
+    order: tuple[str, ...]  # the outputs, in the order they are written
+    readers: dict[str, tuple[int, ...]]  # input name -> indices of the outputs that view it
+    written: frozenset[str]  # inputs the network writes in place
+
+    @cached_property
+    def inputs(self) -> frozenset[str]:
+        """Every input an output buffer is checked against."""
+        return self.written | frozenset(self.readers)
+
+
+def check_output_memory(outputs: Mapping[str, torch.Tensor],
+                        inputs: Mapping[str, torch.Tensor], reads: OutputReads) -> None:
+    """Refuse output buffers whose writes would change what the call computes or returns.
+
+    Cost: one pass over the outputs and the inputs named in ``reads`` (those the outputs view and
+    those written in place), never over every input.
+
+    Raises:
+        EngineInputError: an output whose elements share memory with one another, two outputs
+            that share memory, or an output that shares memory with an input the network writes
+            in place or an output written at or after it is read from; the message names both.
+    """
+    spans: list[tuple[int, int, int, str]] = []
+    devices = set()
+    for index, name in enumerate(reads.order):
+        t = outputs[name]
+        if overlaps_itself(t):
+            raise EngineInputError(
+                f"output {name!r} ({_dtype_name(t.dtype)}{list(t.shape)}, strides "
+                f"{list(t.stride())}) has elements that share memory (e.g. from expand()); "
+                f"pass a tensor whose elements are distinct, e.g. torch.empty({list(t.shape)})")
+        span = byte_span(t)
+        if span is not None:
+            spans.append((span[0], span[1], index, name))
+            devices.add(t.device)
+    # Addresses are compared first; the devices only for a pair whose addresses meet (two
+    # devices' address spaces may coincide).
+    spans.sort()
+    reach, widest = 0, -1  # of the outputs starting earlier: the farthest end, and whose
+    for start, end, index, name in spans:
+        if start < reach and _same_device(outputs, reads.order[widest], name, devices):
+            raise EngineInputError(
+                f"outputs {reads.order[widest]!r} and {name!r} share memory; each output needs "
+                "a buffer of its own (one result would overwrite the other)")
+        if end > reach:
+            reach, widest = end, index
+    if not spans:
+        return
+    for in_name in reads.inputs:
+        t = inputs[in_name]
+        span = byte_span(t)
+        for start, end, index, name in spans if span is not None else ():
+            if start >= span[1] or span[0] >= end or outputs[name].device != t.device:
+                continue
+            if in_name in reads.written:
+                why = "which the network writes in place (a cache)"
+            else:
+                later = [i for i in reads.readers[in_name] if i >= index]
+                if not later:
+                    continue  # read in full before this output is written
+                reader = reads.order[later[0]]
+                why = (f"which output {name!r} is a view of" if reader == name else
+                       f"which output {reader!r} is a view of, copied after {name!r} is written")
+            raise EngineInputError(
+                f"output {name!r} shares memory with input {in_name!r}, {why}; pass an output "
+                f"buffer that shares no memory with {in_name!r}")
+
+
+def _same_device(outputs: Mapping[str, torch.Tensor], a: str, b: str,
+                 devices: set[torch.device]) -> bool:
+    return len(devices) == 1 or outputs[a].device == outputs[b].device

@@ -13,7 +13,9 @@ from tgraph.engine.arena import ArenaSet, Label, buffer_views
 from tgraph.engine.binding import (
     Binding,
     InputSpec,
+    OutputReads,
     bind_inputs,
+    check_output_memory,
     fix_unknowns,
     infer_concrete,
     input_specs,
@@ -132,6 +134,7 @@ class Engine:
         self._output_clone = {name: alias_base(net, v).kind is not ValueKind.INTERMEDIATE
                               for name, v in net.outputs.items()}
         self._mutated_inputs = self._find_mutated_inputs()
+        self._output_reads = self._find_output_reads()
 
     @staticmethod
     def _checked_weights(net: Network) -> dict[Value, torch.Tensor]:
@@ -155,6 +158,16 @@ class Engine:
                 if base.kind is ValueKind.INPUT:
                     names.add(base.name)
         return names
+
+    def _find_output_reads(self) -> OutputReads:
+        """Which inputs the outputs are views of, for the check of given output buffers."""
+        readers: dict[str, list[int]] = {}
+        for index, v in enumerate(self.net.outputs.values()):
+            base = alias_base(self.net, v)
+            if base.kind is ValueKind.INPUT:
+                readers.setdefault(base.name, []).append(index)
+        return OutputReads(tuple(self.net.outputs), {n: tuple(i) for n, i in readers.items()},
+                           frozenset(self._mutated_inputs))
 
     def _label_of(self, v: Value) -> Label:
         return None if self.placement is None else self.placement.of[v]
@@ -257,12 +270,19 @@ class Engine:
         Args:
             inputs: one tensor per graph input, by name, all on one device.
             outputs: one preallocated tensor per marked output; the results are written into
-                them. When omitted, new tensors are returned.
+                them, after every kernel ran, in the order the outputs were marked. When omitted,
+                new tensors are returned. Each must have memory of its own: no two outputs may
+                share memory, nor may an output's elements (an ``expand``-ed tensor). An output
+                may share memory with an input only if the network does not write that input in
+                place and no output written at or after it is a view of that input (e.g. with
+                ``a + b`` marked before ``a.reshape(-1)``, the sum may not go into ``a``). The
+                check is by byte range, so two interleaved views of one tensor count as sharing.
             runtime_params: host-side values (CPU tensors or lists) for inputs declared ``host``.
         Returns:
             the outputs by name (the given tensors when ``outputs`` was passed).
         Raises:
-            EngineInputError: on missing/unknown names, wrong dtype, device or shape.
+            EngineInputError: on missing/unknown names, wrong dtype, device or shape, or output
+                buffers that share memory as described above.
         """
         if outputs is None and not runtime_params:
             # Fast path: the very tensors a graph was captured with (checked when captured).
@@ -576,6 +596,7 @@ class Engine:
             if call.device is not None and t.device != call.device:
                 raise EngineInputError(f"output {name!r} is on {t.device}, expected "
                                        f"{call.device} (the inputs' device)")
+        check_output_memory(outputs, call.tensors, self._output_reads)
 
     # ---- weights ---------------------------------------------------------------------------------
 

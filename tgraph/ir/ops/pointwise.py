@@ -137,5 +137,6 @@ def _cast_infer(x: Meta, *, dtype: torch.dtype) -> Meta:
     return Meta(x.shape, dtype)
 
 
-register_op("cast", infer=_cast_infer, reference=lambda x, *, dtype: x.to(dtype),
+# copy=True: a cast to the same dtype is a new tensor, never its input (outputs are not views)
+register_op("cast", infer=_cast_infer, reference=lambda x, *, dtype: x.to(dtype, copy=True),
             category=OpCategory.POINTWISE)
