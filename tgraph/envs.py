@@ -19,7 +19,7 @@ from typing import Any
 
 from tgraph.errors import ConfigError
 
-__all__ = ["EnvVar", "VARIABLES", "child_environ", "get", "markdown_table"]
+__all__ = ["EnvVar", "VARIABLES", "child_environ", "get", "markdown_table", "set_default"]
 
 
 def _flag(name: str, text: str) -> bool:
@@ -124,6 +124,14 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> Any:
         raise KeyError(f"{name} is not declared in tgraph.envs; declared: "
                        f"{', '.join(VARIABLES)}")
     return VARIABLES[name].read(environ)
+
+
+def set_default(name: str, value: str) -> None:
+    """Set the declared variable ``name`` in this process's environment unless it is set (for a
+    library that reads it itself, e.g. Triton's ``TRITON_INTERPRET``)."""
+    if name not in VARIABLES:
+        raise KeyError(f"{name} is not declared in tgraph.envs")
+    os.environ.setdefault(name, value)
 
 
 def child_environ(**values: str) -> dict[str, str]:

@@ -3,6 +3,8 @@ unfused ops' references, so a fused engine on the reference backend equals the u
 exactly; the Triton kernels behind them are tested against these references."""
 from __future__ import annotations
 
+import torch
+
 from tgraph.ir.ops import attention as attn_ops
 from tgraph.ir.ops.linalg import linear_infer, linear_reference
 from tgraph.ir.ops.norms import norm_infer, rms_norm_reference
@@ -16,7 +18,11 @@ from tgraph.ir.ops.registry import (
 )
 from tgraph.ir.shape import dims_conflict
 
-EPILOGUE_ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu", "sigmoid")
+# Activations a linear's epilogue applies, each as the unfused op computes it (in fp32; relu is
+# exact in any dtype and has no UNARY_FLOAT entry).
+EPILOGUE_ACTIVATIONS = {**{name: UNARY_FLOAT[name] for name in ("silu", "gelu", "gelu_tanh",
+                                                                 "sigmoid")},
+                        "relu": torch.relu}
 
 
 def add_rms_norm_infer(x: Meta, residual: Meta, weight: Meta, *, eps: float):
@@ -114,7 +120,7 @@ def _linear_epilogue_infer(x, w, bias=None, residual=None, *, transpose_b=True, 
 def linear_epilogue_reference(x, w, bias=None, residual=None, *, transpose_b=True, act=None):
     out = linear_reference(x, w, bias, transpose_b=transpose_b)
     if act is not None:
-        out = in_fp32(UNARY_FLOAT[act])(out)
+        out = in_fp32(EPILOGUE_ACTIVATIONS[act])(out)
     return out if residual is None else out + residual
 
 

@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from tgraph.ir.ops.fused import EPILOGUE_ACTIVATIONS
-from tgraph.ir.ops.pointwise import UNARY_FLOAT
 from tgraph.kernels.registry import KernelSpec
 from tgraph.kernels.triton_backend.common import (
     Outs,
@@ -174,7 +173,7 @@ def linear_epilogue_into(outs: Outs, x, w, bias=None, residual=None, *, tuning: 
         return outs[0]
     assert act in EPILOGUE_ACTIVATIONS
     matmul_into(out2, rows(x), w, bias, None, transpose_b, tuning.gemv)
-    out2.copy_(UNARY_FLOAT[act](out2.float()))
+    out2.copy_(EPILOGUE_ACTIVATIONS[act](out2.float()))
     if residual is not None:
         out2.add_(rows(residual))
     return outs[0]
