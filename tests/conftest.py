@@ -11,6 +11,13 @@ import os
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests are deterministic by default: a failure recurs on every run and prints its
+# @reproduce_failure blob; `pytest --hypothesis-profile=explore` draws fresh examples.
+settings.register_profile("ci", derandomize=True, print_blob=True, database=None)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile("ci")
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
