@@ -118,6 +118,8 @@ def check_case(case: Case, configs: Sequence[str] = ("fused", "plain")) -> list[
             continue
         try:
             engine = net.build_engine(**CONFIGS[config])
+            if device != "cpu":
+                engine.to(device)  # the recorded weights are CPU tensors
             given = {k: v.clone().to(device) for k, v in inputs.items()}
             out = engine.forward(given)
         except Exception as e:  # any exception of an engine is a finding
