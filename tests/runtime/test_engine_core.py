@@ -10,7 +10,6 @@ runner lets the loop take one step at a time.
 from __future__ import annotations
 
 import asyncio
-import gc
 import threading
 import weakref
 from collections.abc import Iterator
@@ -263,17 +262,6 @@ def test_a_failing_step_fails_only_its_requests(llama_dir: Path) -> None:
 
 
 # ------------------------------------------------------------------------------ releasing memory
-@pytest.fixture
-def no_gc() -> Iterator[None]:
-    """Only reference counting frees memory here (as after ``del llm`` on a busy process)."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
 def test_close_fails_pending_streams_and_drops_the_kv_cache(llama_dir: Path, no_gc) -> None:
     llm = _llm(llama_dir)
     gate = Gate(llm)

@@ -3,8 +3,6 @@ a second ``LLM`` in the same process sizes its cache as the first did; the engin
 captured decode graphs give the same tokens as a stream read at another pace."""
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,17 +25,6 @@ SLACK = 256 * 2**20
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_hf_model("llama", tmp_path_factory.mktemp("engine-gpu"), seed=0)
-
-
-@pytest.fixture
-def no_gc() -> Iterator[None]:
-    """The garbage collector off: memory must come back without it."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 def _llm(path: Path) -> LLM:

@@ -50,7 +50,7 @@ from tgraph.runtime.request import FinishReason, Request
 from tgraph.runtime.runner import ModelRunner, RankFailedError, synchronize, use_device
 from tgraph.runtime.sampler import TokenLogprobs
 from tgraph.runtime.sampling_params import SamplingParams
-from tgraph.runtime.scheduler import Scheduler, SchedulerError, SchedulerOutput
+from tgraph.runtime.scheduler import Scheduler, SchedulerError, SchedulerOutput, SchedulerStats
 from tgraph.runtime.stop import StopChecker
 
 __all__ = ["BatchStream", "EngineClosedError", "EngineCore", "EngineStats", "RequestFailure",
@@ -76,31 +76,9 @@ class EngineClosedError(TGraphError, RuntimeError):
     """The engine was closed (or its loop died) before the request finished."""
 
 
-@dataclass(frozen=True)
-class EngineStats:
-    """A snapshot of the engine: gauges now and counters since it started.
-
-    Attributes:
-        running: requests holding KV-cache blocks.
-        waiting: requests submitted and not yet running (new or preempted).
-        kv_blocks_used: blocks held by at least one request.
-        kv_blocks_total: blocks in the cache.
-        kv_blocks_cached: blocks whose content the prefix cache can hand out (held or free).
-        prefix_cache_queries: prompt tokens looked up in the prefix cache.
-        prefix_cache_hits: of those, tokens found (their prefill was skipped).
-        preemptions: requests preempted for lack of blocks.
-        finished: finished requests by finish reason (``"stop"``, ``"length"``, ``"abort"``).
-    """
-
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    kv_blocks_cached: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    preemptions: int
-    finished: dict[str, int]
+# The engine's gauges and counters are the scheduler's, with submissions not yet handed to it
+# counted as waiting.
+EngineStats = SchedulerStats
 
 
 # ---- per-request queues ---------------------------------------------------------------------
@@ -959,12 +937,7 @@ class EngineCore:
         loop = self._loop
         with loop.lock:
             s, queued = loop.snapshot, loop.queued
-        return EngineStats(running=s.running, waiting=s.waiting + queued,
-                           kv_blocks_used=s.kv_blocks_used, kv_blocks_total=s.kv_blocks_total,
-                           kv_blocks_cached=s.kv_blocks_cached,
-                           prefix_cache_queries=s.prefix_cache_queries,
-                           prefix_cache_hits=s.prefix_cache_hits, preemptions=s.preemptions,
-                           finished=dict(s.finished))
+        return dataclasses.replace(s, waiting=s.waiting + queued, finished=dict(s.finished))
 
     def call(self, fn: Callable[[], Any], timeout: float | None = None) -> Any:
         """Run ``fn`` on the engine's thread between two steps and return its result (for what

@@ -213,14 +213,18 @@ class _RemoteEngine:
         elif kind == "closed":
             self._lost("the engine was closed before the request finished")
 
-    def _lost(self, why: str = "the engine process exited") -> None:
-        """Fail every open request: nothing more will come."""
+    def _detach(self) -> None:
+        """Stop reading the pipe from the event loop (a closed loop or pipe: nothing to undo)."""
         if self._loop is not None:
             try:
                 self._loop.remove_reader(self._conn.fileno())
             except (OSError, ValueError, RuntimeError):
                 pass
             self._loop = None
+
+    def _lost(self, why: str = "the engine process exited") -> None:
+        """Fail every open request: nothing more will come."""
+        self._detach()
         self._closed = True
         sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
@@ -230,12 +234,7 @@ class _RemoteEngine:
         """Ask the child to close and read what it still sends until it has."""
         if self._closed:
             return
-        if self._loop is not None:
-            try:
-                self._loop.remove_reader(self._conn.fileno())
-            except (OSError, ValueError, RuntimeError):
-                pass
-            self._loop = None
+        self._detach()
         try:
             with self._send_lock:
                 self._conn.send(("close",))
