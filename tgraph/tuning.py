@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["DecodeAttentionTuning", "DecodeTiles", "GemvConfig", "GemvOverride", "GemvTuning",
-           "LoraTuning", "PrefetchTuning", "Tuning", "convert", "describe", "from_dict",
-           "leaf_types", "to_dict"]
+           "LoraTuning", "PrefetchTuning", "QuantGemmTuning", "QuantGemvTuning", "Tuning",
+           "convert", "describe", "from_dict", "leaf_types", "to_dict"]
 
 
 def knob(default: Any, doc: str, minimum: int = 1) -> Any:
@@ -77,6 +77,27 @@ class GemvOverride(_Section):
 
 
 @dataclass(frozen=True)
+class QuantGemvTuning(_Section):
+    """The small-M linear on quantized weights (tensor cores on the codes, scales per tile)."""
+
+    small_m_max: int = knob(64, "largest M run as a GEMV on a quantized weight; above it the "
+                                "dequantizing GEMM")
+    block_n: int = knob(64, "weight rows per program (64 or more: the weight is the MMA's M "
+                            "side)")
+    block_k: int = knob(128, "logical K per step, capped at the scale group: every tile lies "
+                             "in one scale block")
+    num_warps: int = knob(4, "warps per program")
+    num_stages: int = knob(4, "software-pipeline depth of the code loads")
+    programs_per_sm: int = knob(2, "split K until the grid has this many programs per SM")
+    m1_fma: bool = knob(True, "one row runs on CUDA cores (the tile dequantized in registers), "
+                              "as the bf16 GEMV of one row does, not padded to 16 for MMA")
+    m1_block_n: int = knob(8, "one row: weight rows per program")
+    m1_block_k: int = knob(1024, "one row: K per step, whole scale groups")
+    m1_num_warps: int = knob(4, "one row: warps per program")
+    m1_num_stages: int = knob(3, "one row: pipeline depth")
+
+
+@dataclass(frozen=True)
 class GemvTuning(_Section):
     """The small-M linear (``tgraph.kernels.triton.gemv``): decode GEMV with fused norm/gate."""
 
@@ -108,6 +129,7 @@ class GemvTuning(_Section):
                                    "(same tiles and bits as pointer loads, slightly faster)")
     overrides: tuple[GemvOverride, ...] = knob((), "per-shape launches that replace the "
                                                    "heuristic's (for A/Bs of whole steps)")
+    quant: QuantGemvTuning = section(QuantGemvTuning, "the same kernel on quantized weights")
 
     def override_for(self, key: tuple[int, int, int, bool, bool]) -> GemvConfig | None:
         """The override of shape ``key`` = (block_m, n, k, gated, norm), if any."""
@@ -171,6 +193,30 @@ class PrefetchTuning(_Section):
 
 
 @dataclass(frozen=True)
+class QuantGemmTuning(_Section):
+    """Prefill GEMMs on quantized weights (``tgraph.kernels.triton.fp8_linear`` /
+    ``quant_linear``)."""
+
+    fp8_activations: bool = knob(True, "prefill on fp8 weights quantizes the activations per "
+                                       "token and runs e4m3 tensor cores (twice bf16's rate)")
+    block_m: int = knob(128, "fp8 GEMM: rows per program")
+    block_n: int = knob(128, "fp8 GEMM: output columns per program")
+    block_k: int = knob(128, "fp8 GEMM: K per step (capped at a block-scaled weight's block)")
+    num_warps: int = knob(8, "fp8 GEMM: warps per program")
+    num_stages: int = knob(3, "fp8 GEMM: pipeline depth")
+    dense_min_m: int = knob(256, "from this many rows the weight is dequantized into a scratch "
+                                 "buffer and cuBLAS multiplies (a pass of a few percent of the "
+                                 "GEMM)")
+    fp8_cublas: bool = knob(True, "fp8 channel / tensor scales: torch._scaled_mm (cuBLAS) on "
+                                  "the e4m3 codes instead of the Triton GEMM")
+    int_block_m: int = knob(128, "int GEMM (codes dequantized per tile): rows per program")
+    int_block_n: int = knob(128, "int GEMM: output columns per program")
+    int_block_k: int = knob(64, "int GEMM: K per step (capped at the scale group)")
+    int_num_warps: int = knob(8, "int GEMM: warps per program")
+    int_num_stages: int = knob(3, "int GEMM: pipeline depth")
+
+
+@dataclass(frozen=True)
 class Tuning(_Section):
     """Every kernel family's launch settings; the engine holds one (``Engine.tuning``)."""
 
@@ -179,6 +225,7 @@ class Tuning(_Section):
                                                       "split-KV decode attention")
     lora: LoraTuning = section(LoraTuning, "the multi-LoRA shrink kernels")
     prefetch: PrefetchTuning = section(PrefetchTuning, "the batch-1 L2 weight prefetch")
+    quant_gemm: QuantGemmTuning = section(QuantGemmTuning, "prefill GEMMs on quantized weights")
 
 
 # ------------------------------------------------------------------------- dicts and settings

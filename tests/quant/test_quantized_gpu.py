@@ -2,10 +2,13 @@
 layout and differently quantized q|k|v parts) against the same model built from the dequantized
 bf16 weights, both static with CUDA graphs.
 
-Both multiply by the same bf16 weight values (the quantized kernel rounds its dequantized tile
-to bf16, as the dense weights were), so they differ by summation order and bf16 activation
-rounding only: per-position KL(dense || quantized) must stay within 1e-3 on average and 1e-2 at
-most (the bf16 parity tests measure ~2e-5 between HF and tgraph), and the greedy tokens agree.
+The quantized GEMV multiplies the codes exactly and applies the fp32 scales per tile, while the
+twin multiplies weights rounded to bf16 (2**-9 relative each): on this small random model that
+moves every linear's output by ~1.7e-3 relative (measured on an H100, the size of bf16 output
+rounding) and the logits by a few hundredths. The bounds are the quality bar of the quantized
+models (issue 26, as tests/models/test_gpu_parity.py): per-position KL(dense || quantized) within
+1e-2 on average and 5e-2 at most, and the greedy tokens agree up to near-ties. A wrong scale,
+offset or nibble order moves logits by O(1).
 """
 from __future__ import annotations
 
@@ -69,7 +72,7 @@ def test_quantized_bf16_model_matches_its_dequantized_twin():
     assert qmodel.decode_graphs(4), "the quantized decode step ran uncaptured"
     kl = torch.nn.functional.kl_div(q_logits.log_softmax(-1), d_logits.log_softmax(-1),
                                     log_target=True, reduction="none").sum(-1)
-    assert float(kl.mean()) <= 1e-3 and float(kl.max()) <= 1e-2, (float(kl.mean()),
+    assert float(kl.mean()) <= 1e-2 and float(kl.max()) <= 5e-2, (float(kl.mean()),
                                                                    float(kl.max()))
     # Same sequences on both sides: the argmax agrees unless a near-tie flips.
     assert float((q_tokens == d_tokens).float().mean()) >= 0.95

@@ -25,6 +25,9 @@ def main(argv=None) -> int:
                         help="decode batch sizes (models: 1 16 64; lora: 16)")
     parser.add_argument("--peers", nargs="*", default=["hf", "compile"],
                         help="peers to measure: hf (eager), compile (StaticCache + torch.compile)")
+    parser.add_argument("--quant", nargs="*", choices=("int4", "int8", "fp8", "all"),
+                        help="models: the quantized models (int4 g128, int8 and fp8 per channel) "
+                             "next to bf16 in the same run")
     parser.add_argument("--profile", action="store_true",
                         help="lora: also print each system's kernels by time (torch profiler) and "
                              "its step kernel by kernel (tgraph.bench.timeline)")
@@ -53,8 +56,12 @@ def main(argv=None) -> int:
     if args.what in ("models", "all"):
         from tgraph.bench.models import run_model_bench
 
+        quant = None
+        if args.quant is not None:
+            quant = ["int4", "int8", "fp8"] if "all" in args.quant or not args.quant \
+                else list(dict.fromkeys(args.quant))
         run_model_bench(args.presets, args.batches or [1, 16, 64], args.peers, args.json,
-                        args.png)
+                        args.png, quant)
     if args.what == "serve":
         from tgraph.bench.serve import run_serve_bench
 

@@ -211,6 +211,70 @@ def bench_gemv(ceil: Ceilings, dtype=torch.bfloat16) -> list[KernelResult]:
     return results
 
 
+_QUANT_LAYOUTS = (("int4 g128", dict(kind="int4", group_size=128)),
+                  ("int8 channel", dict(kind="int8")), ("fp8 channel", dict(kind="fp8")))
+
+
+def _quant_copies(n: int, k: int, args: dict) -> list:
+    """Quantized ``[n, k]`` weights, enough copies to pass 256 MB (see ``cold_copies``)."""
+    from tgraph.quant import QuantizedWeight, quantize
+
+    w = quantize(torch.randn(n, k, device="cuda") * 0.02, **args).to("cuda", torch.bfloat16)
+    count = max(2, min(64, -(-(256 << 20) // w.nbytes)))
+    return [QuantizedWeight(w.scheme, w.qdata.clone(), w.scale.clone(),
+                            None if w.offset is None else w.offset.clone(), w.dtype)
+            for _ in range(count)]
+
+
+def bench_quant_gemv(ceil: Ceilings, dtype=torch.bfloat16) -> list[KernelResult]:
+    """The small-M linear on quantized weights (cold, as in a decode step) against the copy
+    bandwidth; torch's equivalent dequantizes and multiplies."""
+    from tgraph.kernels.triton.gemv import small_m_linear
+
+    results = []
+    for label, args in _QUANT_LAYOUTS:
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
+            weights = _quant_copies(n, k, args)
+            for m in (1, 16):
+                x = torch.randn(m, k, device="cuda", dtype=dtype)
+                out = torch.empty(m, n, device="cuda", dtype=dtype)
+                nbytes = weights[0].nbytes + (m * k + m * n) * dtype.itemsize
+                ms = cold_ms(lambda w: small_m_linear(x, w, out), weights)
+                torch_ms = cold_ms(lambda w: torch.matmul(x, w.dequantize().t(), out=out),
+                                   weights[:2])
+                gbps = nbytes / (ms * 1e-3) / 1e9
+                results.append(KernelResult(f"{label} GEMV", f"M={m} N={n} K={k}", ms, torch_ms,
+                                            gbps=gbps, fraction=gbps / ceil.copy_gbps,
+                                            target=0.8 if m == 1 else None))
+            del weights
+    return results
+
+
+def bench_quant_gemm(ceil: Ceilings, dtype=torch.bfloat16) -> list[KernelResult]:
+    """Prefill GEMMs (M = 4096 tokens) on quantized weights against the bf16 matmul ceiling;
+    "torch" is cuBLAS on the dense bf16 weight (the speed-up is over bf16 prefill)."""
+    from tgraph.kernels.triton.fp8_linear import fp8_linear
+    from tgraph.kernels.triton.quant_linear import quant_linear
+    from tgraph.quant import quantize
+
+    m = 4096
+    results = []
+    for label, args, fn in (("fp8 GEMM", dict(kind="fp8"), fp8_linear),
+                            ("fp8 128x128 GEMM", dict(kind="fp8", block=(128, 128)), fp8_linear),
+                            ("int4 g128 GEMM", dict(kind="int4", group_size=128), quant_linear)):
+        for n, k in [(6144, 4096), (4096, 14336), (28672, 4096)]:
+            w = quantize(torch.randn(n, k, device="cuda") * 0.02, **args).to("cuda", dtype)
+            dense = w.dequantize(dtype)
+            x = torch.randn(m, k, device="cuda", dtype=dtype)
+            out = torch.empty(m, n, device="cuda", dtype=dtype)
+            ms = _device_ms(lambda: fn(x, w, out))
+            torch_ms = _device_ms(lambda: torch.matmul(x, dense.t(), out=out))
+            tflops = 2 * m * n * k / (ms * 1e-3) / 1e12
+            results.append(KernelResult(label, f"M={m} N={n} K={k}", ms, torch_ms, tflops=tflops,
+                                        fraction=tflops / ceil.matmul_tflops))
+    return results
+
+
 def run_kernel_bench(json_path: str | None = None) -> list[KernelResult]:
     """Run every kernel benchmark and print the table."""
     ceil = measure_ceilings()
@@ -218,19 +282,20 @@ def run_kernel_bench(json_path: str | None = None) -> list[KernelResult]:
           f"bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s")
     results: list[KernelResult] = []
     for fn in (bench_norms, bench_swiglu, bench_rope_cache, bench_embedding,
-               bench_decode_attention, bench_prefill_attention, bench_gemv):
+               bench_decode_attention, bench_prefill_attention, bench_gemv, bench_quant_gemv,
+               bench_quant_gemm):
         try:
             r = fn(ceil)
             results.extend(r if isinstance(r, list) else [r])
         except Exception as err:  # report and go on: one broken kernel must not hide the rest
             print(f"  {fn.__name__} FAILED: {type(err).__name__}: {err}")
-    print(f"{'kernel':<18} {'shape':<28} {'ms':>8} {'torch ms':>9} {'speedup':>7} "
+    print(f"{'kernel':<22} {'shape':<28} {'ms':>8} {'torch ms':>9} {'speedup':>7} "
           f"{'achieved':>14} {'of ceil':>8} {'target':>7}")
     for r in results:
         achieved = f"{r.gbps:.0f} GB/s" if r.gbps is not None else f"{r.tflops:.0f} TFLOP/s"
         target = f"{r.target:.0%}" if r.target else ""
         flag = "" if not r.target or r.fraction >= r.target else " MISS"
-        print(f"{r.name:<18} {r.shape:<28} {r.ms:8.4f} {r.torch_ms:9.4f} {r.speedup:6.2f}x "
+        print(f"{r.name:<22} {r.shape:<28} {r.ms:8.4f} {r.torch_ms:9.4f} {r.speedup:6.2f}x "
               f"{achieved:>14} {r.fraction:7.1%} {target:>7}{flag}")
     if json_path:
         with open(json_path, "w") as f:

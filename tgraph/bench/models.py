@@ -44,6 +44,8 @@ class PresetResult:
     prefill_ms: dict = field(default_factory=dict)      # "1x2048" -> ms
     build_s: dict = field(default_factory=dict)         # cold / warm -> s
     skipped: dict = field(default_factory=dict)         # system -> reason
+    step_bound_ms: float | None = None                  # bytes a decode step reads / copy bw
+    quant: dict = field(default_factory=dict)           # scheme -> tgraph.bench.quant.QuantResult
 
 
 def random_weights(hf_config: dict, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
@@ -208,13 +210,22 @@ def measure_build(preset_name: str) -> dict:
     return out
 
 
-def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings) -> PresetResult:
+def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings,
+               quant: list[str] | None = None) -> PresetResult:
+    """One preset: every tgraph system and peer, or with ``quant`` the bf16 static model and
+    each quantized scheme (no other systems, no build times)."""
     hf_config = preset(name)
     weights = random_weights(hf_config, torch.bfloat16, "cuda")
     nbytes = sum(w.numel() * w.element_size() for w in weights.values())
     result = PresetResult(name, nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3)
     systems = (("tgraph static", "static", True), ("tgraph no graphs", "static", False),
                ("tgraph eager", "eager", False))
+    if quant:
+        from tgraph.bench.quant import bench_quantized, step_read_bytes
+
+        systems = systems[:1]
+        result.step_bound_ms = step_read_bytes(hf_config, weights, {}) / (ceil.copy_gbps * 1e9) \
+            * 1e3
     for label, graph, cuda_graph in systems:
         model = random_model(hf_config, weights, max_model_len=4096, graph=graph,
                              cuda_graph=cuda_graph)
@@ -235,10 +246,14 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings) 
                 f"{type(err).__name__}: {str(err)[:200]}"
         gc.collect()
         torch.cuda.empty_cache()
+    if quant:
+        result.quant = bench_quantized(hf_config, weights, quant, batches, ceil.copy_gbps,
+                                       bench_tgraph)
     del weights
     gc.collect()
     torch.cuda.empty_cache()
-    result.build_s.update(measure_build(name))
+    if not quant:
+        result.build_s.update(measure_build(name))
     return result
 
 
@@ -261,6 +276,12 @@ def print_table(results: list[PresetResult]) -> None:
                   f"{'-' if replay is None else f'{replay:.3f}':>9}")
         if r.prefill_ms:
             print("  prefill: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.prefill_ms.items()))
+        if r.quant:
+            from tgraph.bench.quant import print_quant_table
+
+            print_quant_table(r.preset, r.decode_ms.get("tgraph static", {}), r.prefill_ms,
+                              r.step_bound_ms, r.quant, r.bound_ms and r.weight_bytes / r.bound_ms
+                              / 1e6)
         print(f"  build: {r.build_s}")
         for k, v in r.skipped.items():
             print(f"  skipped {k}: {v}")
@@ -276,12 +297,17 @@ def draw_chart(results: list[PresetResult], path: str) -> None:
         print("matplotlib is not installed: no chart")
         return
     systems = ["tgraph static", "HF compile", "HF eager"]
+    kinds = sorted({k for r in results for k in r.quant})
+    if kinds:  # the quantized comparison: bf16 and each scheme
+        systems = ["tgraph static"] + [f"tgraph {k}" for k in kinds]
     labels, values = [], {s: [] for s in systems}
     for r in results:
         for b in sorted(r.decode_ms.get("tgraph static", {})):
             labels.append(f"{r.preset}\nbatch {b}")
             for s in systems:
-                values[s].append(r.decode_ms.get(s, {}).get(b) or 0)
+                q = r.quant.get(s.removeprefix("tgraph "))
+                got = q.decode_ms.get(b) if q is not None else r.decode_ms.get(s, {}).get(b)
+                values[s].append(got or 0)
     fig, ax = plt.subplots(figsize=(max(8, len(labels) * 1.2), 4.5))
     width = 0.8 / len(systems)
     for i, s in enumerate(systems):
@@ -296,7 +322,10 @@ def draw_chart(results: list[PresetResult], path: str) -> None:
 
 
 def run_model_bench(presets: list[str] | None, batches: list[int], peers: list[str],
-                    json_path: str | None, png_path: str | None) -> list[PresetResult]:
+                    json_path: str | None, png_path: str | None,
+                    quant: list[str] | None = None) -> list[PresetResult]:
+    """Every preset of ``presets`` (the defaults when None); with ``quant`` (schemes of
+    :data:`tgraph.bench.quant.QUANT_SCHEMES`) the quantized models next to the bf16 one."""
     ceil = measure_ceilings()
     print(f"device: {torch.cuda.get_device_name()}  copy {ceil.copy_gbps:.0f} GB/s  "
           f"bf16 matmul {ceil.matmul_tflops:.0f} TFLOP/s  torch {torch.__version__}")
@@ -305,7 +334,7 @@ def run_model_bench(presets: list[str] | None, batches: list[int], peers: list[s
         if name not in PRESETS:
             print(f"unknown preset {name}; known: {list(PRESETS)}")
             continue
-        results.append(run_preset(name, batches, peers, ceil))
+        results.append(run_preset(name, batches, peers, ceil, quant))
         print_table(results[-1:])
     print_table(results)
     if json_path:

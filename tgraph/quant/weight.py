@@ -97,6 +97,10 @@ class QuantizedWeight:
         return self.qdata.device
 
     @property
+    def is_cuda(self) -> bool:
+        return self.qdata.is_cuda
+
+    @property
     def ndim(self) -> int:
         return 2
 

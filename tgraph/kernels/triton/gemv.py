@@ -41,6 +41,13 @@ every M of the bucket):
   the activations' tile instead of one as small as it. On Hopper those weight tiles are read by
   TMA (``GemvTuning.tma_weights``).
 
+Quantized weights (a :class:`~tgraph.quant.QuantizedWeight` as ``weight``): the same kernel with
+the same fusions, on tensor cores for every M (1 is padded to 16), reading only the packed codes
+and the fp32 scales. The products run on the codes themselves (an int4 code becomes a bf16
+``128 + q`` by one OR of its bits) and each K tile folds its scales into the accumulator once
+(:mod:`tgraph.kernels.triton.quant_tiles`), so a K tile never straddles a scale group; the
+settings are ``GemvTuning.quant``.
+
 Launch settings come from a :class:`~tgraph.tuning.GemvTuning` (the engine's; the defaults when a
 caller gives none).
 """
@@ -54,15 +61,19 @@ from tgraph import envs
 from tgraph.kernels.triton.device_info import sm_count
 from tgraph.kernels.triton.gemv_kernels import small_m_linear_kernel, split_k_reduce_kernel
 from tgraph.kernels.triton.pdl import pdl_kwargs
+from tgraph.kernels.triton.quant_tiles import KIND_IDS, code_base, code_zero
+from tgraph.quant import QuantizedWeight
 from tgraph.tuning import GemvTuning
 
-__all__ = ["small_m_linear", "choose_config", "prefer_small_m", "workspace_size",
-           "arrival_counters", "weight_descriptor"]
+__all__ = ["small_m_linear", "choose_config", "prefer_small_m", "prefer_quant_gemv",
+           "quant_block_k", "workspace_size", "arrival_counters", "weight_descriptor"]
 
 # Largest M bucket; larger M adds programs along grid axis 2 (weight re-read per 32 rows).
 _MAX_BLOCK_M = 32
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _REDUCE_BLOCK_N = 1024
+_TL_DTYPES = {torch.bfloat16: triton.language.bfloat16, torch.float16: triton.language.float16,
+              torch.float32: triton.language.float32}
 _DEFAULT_TUNING = GemvTuning()
 
 
@@ -123,12 +134,15 @@ def _use_f32_dot(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and envs.TRITON_INTERPRET)
 
 
-def _block_m(M: int) -> int:
-    """M bucket: 1 (CUDA-core FMA) or 16, 32 (``tl.dot`` needs >= 16 rows).
+def _block_m(M: int, quantized: bool = False) -> int:
+    """M bucket: 1 (CUDA-core FMA) or 16, 32 (``tl.dot`` needs >= 16 rows); quantized weights
+    always take tensor cores, up to 64 rows.
 
     NOTE: 2-4 rows are padded to 16 for ``tl.dot``: they read each weight once just as M=1 does,
     and CUDA-core paths of their own measured far slower.
     """
+    if quantized:
+        return 16 if M <= 16 else 32 if M <= 32 else 64
     if M == 1:
         return 1
     return 16 if M <= 16 else _MAX_BLOCK_M
@@ -253,6 +267,66 @@ def _even_split(k_blocks: int, want: int, most: int) -> int:
     return triton.cdiv(k_blocks, per_split)
 
 
+def quant_block_k(weight: QuantizedWeight, want: int) -> int:
+    """The K tile for ``weight``: at most ``want``, a power of two, and one that keeps every tile
+    inside one scale block (it divides the block's columns unless one block spans K); 0 when
+    that is below the 16 a tensor-core step needs."""
+    cols, k = weight.scheme.block[1], weight.shape[1]
+    block_k = min(triton.next_power_of_2(max(want, 1)), triton.next_power_of_2(max(k, 16)))
+    if cols < k:
+        block_k = min(block_k, cols & -cols)  # the largest power of two dividing the group
+    return block_k if block_k >= 16 else 0
+
+
+def prefer_quant_gemv(M: int, weight: QuantizedWeight,
+                      tuning: GemvTuning = _DEFAULT_TUNING) -> bool:
+    """Whether :func:`small_m_linear` runs ``x [M, K] @ weight.T`` on a quantized weight: up to
+    ``tuning.quant.small_m_max`` rows, columns in stored order (no act-order ``perm``) and scale
+    groups of at least 16 columns."""
+    return (1 <= M <= tuning.quant.small_m_max and weight.perm is None
+            and quant_block_k(weight, tuning.quant.block_k) > 0)
+
+
+def _one_row_block_k(weight: QuantizedWeight, want: int) -> int:
+    """The one-row (CUDA-core) K tile: whole scale groups when they are a power of two no wider
+    than ``want``, else inside one group (see :func:`quant_block_k`)."""
+    cols, k = weight.scheme.block[1], weight.shape[1]
+    block_k = min(triton.next_power_of_2(max(want, 1)), triton.next_power_of_2(max(k, 16)))
+    if cols < k and not (cols & (cols - 1) == 0 and block_k >= cols):
+        block_k = min(block_k, cols & -cols)
+    return block_k if block_k >= 16 else 0
+
+
+def _int4_words_ok(weight: QuantizedWeight) -> bool:
+    """Whether an int4 weight's codes read as int32 words of eight, each inside one scale
+    group (the one-row kernel's layout)."""
+    q, k, cols = weight.qdata, weight.shape[1], weight.scheme.block[1]
+    return k % 8 == 0 and (cols >= k or cols % 8 == 0) and q.data_ptr() % 4 == 0 \
+        and q.stride(0) % 4 == 0
+
+
+def _quant_block_m(M: int, weight: QuantizedWeight, tuning: GemvTuning) -> int:
+    """1 (CUDA cores) for one row where the layout allows, else the tensor-core bucket."""
+    one_row = M == 1 and tuning.quant.m1_fma and (weight.scheme.kind != "int4"
+                                                  or _int4_words_ok(weight))
+    return 1 if one_row else _block_m(M, quantized=True)
+
+
+def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
+                  tuning: GemvTuning) -> tuple[int, int, int, int, int]:
+    """The launch on a quantized weight: ``GemvTuning.quant``'s tiles, K split until the grid
+    has ``programs_per_sm`` programs per SM (one row: its own tiles, no split)."""
+    q = tuning.quant
+    if _quant_block_m(M, weight, tuning) == 1:
+        return (q.m1_block_n, _one_row_block_k(weight, q.m1_block_k), 1, q.m1_num_warps,
+                q.m1_num_stages)
+    block_k = quant_block_k(weight, q.block_k)
+    n_blocks = triton.cdiv(N, q.block_n) * triton.cdiv(M, _block_m(M, quantized=True))
+    want = triton.cdiv(q.programs_per_sm * sm_count(device), n_blocks)
+    split_k = _even_split(triton.cdiv(weight.shape[1], block_k), want, tuning.max_split_k)
+    return q.block_n, block_k, split_k, q.num_warps, q.num_stages
+
+
 def workspace_size(M: int, N: int, split_k: int, gated: bool = False, norm: bool = False) -> int:
     """Number of fp32 elements of the split-K workspace (0 when ``split_k == 1``).
 
@@ -288,9 +362,56 @@ def _check_matrix(name: str, t: torch.Tensor, shape: tuple[int, ...], device: to
                          f"got strides {t.stride()}")
 
 
+def _check_quantized(weight: QuantizedWeight, K: int, device: torch.device,
+                     tuning: GemvTuning) -> None:
+    if weight.shape[1] != K:
+        raise ValueError(f"small_m_linear: weight must have shape [N, {K}], got "
+                         f"{list(weight.shape)}")
+    if weight.device != device:
+        raise ValueError(f"small_m_linear: weight is on {weight.device}, expected {device} "
+                         f"(the device of x)")
+    if weight.perm is not None:
+        raise ValueError(f"small_m_linear: {weight.name} has permuted (act-order) columns; "
+                         "tgraph.kernels.triton.quant_linear takes those")
+    if quant_block_k(weight, tuning.quant.block_k) == 0:
+        raise ValueError(f"small_m_linear: {weight.scheme.describe(weight.shape)} groups are "
+                         "too narrow for a 16-wide K step; tgraph.kernels.triton.quant_linear "
+                         "takes them")
+
+
+def _quant_args(weight: QuantizedWeight, x: torch.Tensor,
+                common: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The kernel's quantized-weight arguments (codes, scales, offsets, scale row stride); adds
+    its constexprs to ``common``."""
+    scheme = weight.scheme
+    on_gpu = x.is_cuda and not envs.TRITON_INTERPRET
+    one_row = common["BLOCK_M"] == 1
+    # Codes as fp32 for one row (CUDA cores), else as x's dtype (fp32 under the interpreter).
+    dtype = torch.float32 if one_row or common["F32_DOT"] else x.dtype
+    codes = weight.qdata
+    if scheme.kind == "fp8" and not on_gpu:
+        codes = codes.view(torch.uint8)  # decoded from its bits (see quant_tiles.fp8_e4m3_value)
+    bits, base = code_base(scheme.kind, dtype, on_gpu)
+    if one_row and scheme.kind == "int4":  # int32 words, codes as 2**23 + q everywhere
+        codes, bits, base = codes.view(torch.int32), 0, 8388608.0
+    rows, cols = scheme.block
+    n, k = weight.shape
+    block_k = common["BLOCK_K"]
+    common.update(
+        QKIND=KIND_IDS[scheme.kind], QOFFSETS=scheme.offsets, QBASE_BITS=bits,
+        QZERO=code_zero(scheme.kind, scheme.offsets, base), NATIVE_FP8=on_gpu,
+        # One block spanning the dim: the same constexpr for every shape (fewer compiles).
+        QROWS=rows if rows < n else 1 << 30, QCOLS=cols if cols < k else 1 << 30,
+        QNG=block_k // cols if one_row and cols < k and block_k > cols else 1,
+        QDTYPE=_TL_DTYPES[dtype],
+    )
+    offsets = weight.offset if weight.offset is not None else weight.scale
+    return codes, weight.scale, offsets, weight.scale.stride(0)
+
+
 def small_m_linear(
     x: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | QuantizedWeight,
     out: torch.Tensor,
     bias: torch.Tensor | None = None,
     residual: torch.Tensor | None = None,
@@ -314,7 +435,9 @@ def small_m_linear(
 
     Args:
         x: ``[M, K]`` activations (fp16/bf16/fp32, same dtype as ``weight``); rows may be strided.
-        weight: ``[N, K]`` (``[2N, K]`` when gated) in torch ``Linear`` layout (row-major along K).
+        weight: ``[N, K]`` (``[2N, K]`` when gated) in torch ``Linear`` layout (row-major along K),
+            or a :class:`~tgraph.quant.QuantizedWeight` standing for one (its logical dtype
+            ``x``'s; see :func:`prefer_quant_gemv` for which it takes).
         out: ``[M, N]`` output (any supported dtype; written, never allocated). May alias
             ``residual`` (each element is read and then written by the same program); must not
             overlap ``x``.
@@ -339,7 +462,8 @@ def small_m_linear(
         raise ValueError(f"small_m_linear: x must be a 2-D [M, K] tensor, "
                          f"got {getattr(x, 'shape', type(x))}")
     M, K = x.shape
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    quantized = isinstance(weight, QuantizedWeight)
+    if not (quantized or isinstance(weight, torch.Tensor)) or weight.dim() != 2:
         raise ValueError(f"small_m_linear: weight must be a 2-D [N, K] tensor, "
                          f"got {getattr(weight, 'shape', type(weight))}")
     if gated and weight.shape[0] % 2:
@@ -348,7 +472,10 @@ def small_m_linear(
     N = weight.shape[0] // 2 if gated else weight.shape[0]
     device = x.device
     _check_matrix("x", x, (M, K), device)
-    _check_matrix("weight", weight, (weight.shape[0], K), device)
+    if quantized:
+        _check_quantized(weight, K, device, tuning)
+    else:
+        _check_matrix("weight", weight, (weight.shape[0], K), device)
     _check_matrix("out", out, (M, N), device)
     if weight.dtype != x.dtype:
         raise TypeError(f"small_m_linear: weight dtype {weight.dtype} must match x dtype {x.dtype}")
@@ -375,7 +502,9 @@ def small_m_linear(
     if M == 0 or N == 0:
         return out
 
-    if config is None:  # the heuristic, or an override of the tuning (checked the same way)
+    if config is None and quantized:
+        config = _quant_config(M, N, weight, device, tuning)
+    elif config is None:  # the heuristic, or an override of the tuning (checked the same way)
         config = choose_config(M, N, K, device, gated=gated, norm=norm_eps is not None,
                                itemsize=x.element_size(), tuning=tuning)
     if not isinstance(config, tuple) or len(config) != 5 or not all(
@@ -383,6 +512,12 @@ def small_m_linear(
         raise ValueError("small_m_linear: config must be a tuple of 5 positive ints (BLOCK_N, "
                          f"BLOCK_K, split_k, num_warps, num_stages), got {config!r}")
     block_n, block_k, auto_split, num_warps, num_stages = config
+    if quantized:
+        fits = _one_row_block_k if _quant_block_m(M, weight, tuning) == 1 else quant_block_k
+        if block_k != fits(weight, block_k):
+            raise ValueError(f"small_m_linear: a K tile of {block_k} straddles the scale blocks "
+                             f"of {weight.scheme.describe(weight.shape)}; use "
+                             f"{fits(weight, block_k)}")
     split = auto_split if split_k is None else split_k
     k_blocks = max(triton.cdiv(K, block_k), 1)
     split = min(split, k_blocks)
@@ -390,7 +525,7 @@ def small_m_linear(
     k_per_split = triton.cdiv(k_blocks, split) * block_k
     split = triton.cdiv(max(K, 1), k_per_split)
 
-    block_m = _block_m(M)
+    block_m = _quant_block_m(M, weight, tuning) if quantized else _block_m(M)
     grid_m = triton.cdiv(M, block_m)
     pdl = pdl_kwargs(x)
     dummy = out  # stands in for absent optional pointers (never read)
@@ -403,17 +538,22 @@ def small_m_linear(
     )
     g = norm_weight if norm_weight is not None else dummy
     eps = float(norm_eps) if norm_eps is not None else 0.0
-    desc = weight_descriptor(weight, block_n, block_k, common["SWAP_AB"], tuning)
+    if quantized:
+        codes, scales, offsets, stride_qs = _quant_args(weight, x, common)
+        desc = None
+    else:
+        codes, scales, offsets, stride_qs = weight, dummy, dummy, 0
+        desc = weight_descriptor(weight, block_n, block_k, common["SWAP_AB"], tuning)
     common["W_DESC"] = desc is not None
-    w_desc = desc if desc is not None else weight  # stands in when unused (never read)
+    w_desc = desc if desc is not None else codes  # stands in when unused (never read)
     res_stride = residual.stride(0) if residual is not None else 0
 
     if split == 1:
         small_m_linear_kernel[(triton.cdiv(N, block_n), 1, grid_m)](
-            x, weight, w_desc, g, bias if bias is not None else dummy,
-            residual if residual is not None else dummy, out, dummy, dummy,
+            x, codes, w_desc, g, bias if bias is not None else dummy,
+            residual if residual is not None else dummy, out, dummy, dummy, scales, offsets,
             M, N, K, k_per_split, N, eps,
-            x.stride(0), weight.stride(0), res_stride, out.stride(0),
+            x.stride(0), codes.stride(0), res_stride, out.stride(0), stride_qs,
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_PARTIAL=False, **common,
         )
         return out
@@ -434,19 +574,19 @@ def small_m_linear(
     if _split_in_one_launch(norm_eps is not None, common["SWAP_AB"], tuning):
         # One launch: the last split of each output tile reduces it (the kernel's fixup).
         small_m_linear_kernel[grid](
-            x, weight, w_desc, g, bias if bias is not None else dummy,
+            x, codes, w_desc, g, bias if bias is not None else dummy,
             residual if residual is not None else dummy, out, workspace,
-            arrival_counters(out, grid[0] * grid_m),
+            arrival_counters(out, grid[0] * grid_m), scales, offsets,
             M, N, K, k_per_split, N, eps,
-            x.stride(0), weight.stride(0), res_stride, out.stride(0),
+            x.stride(0), codes.stride(0), res_stride, out.stride(0), stride_qs,
             HAS_BIAS=bias is not None, HAS_RES=residual is not None, WRITE_PARTIAL=True,
             FIXUP=True, **common,
         )
         return out
     small_m_linear_kernel[grid](
-        x, weight, w_desc, g, dummy, dummy, dummy, workspace, dummy,
+        x, codes, w_desc, g, dummy, dummy, dummy, workspace, dummy, scales, offsets,
         M, N, K, k_per_split, N, eps,
-        x.stride(0), weight.stride(0), 0, out.stride(0),
+        x.stride(0), codes.stride(0), 0, out.stride(0), stride_qs,
         HAS_BIAS=False, HAS_RES=False, WRITE_PARTIAL=True, **common,
     )
     split_k_reduce_kernel[(triton.cdiv(N, _REDUCE_BLOCK_N), M)](

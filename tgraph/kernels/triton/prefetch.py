@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tgraph import envs
+from tgraph.quant import QuantizedWeight
 from tgraph.tuning import PrefetchTuning
 
 __all__ = ["prefetch_l2", "prefetch_ahead", "select_ahead", "prefetch_supported", "CHUNK_BYTES",
@@ -148,6 +149,8 @@ def select_ahead(x: torch.Tensor, weights: tuple[torch.Tensor, ...], halves: tup
     for w, h in zip(weights, halves):
         if left <= 0 or w.device != x.device:
             break
+        if isinstance(w, QuantizedWeight):  # its packed codes, row for row (scales are small)
+            w = w.qdata
         taken = _leading_rows(w, left, h)[:_MAX_WEIGHTS - len(parts)]
         parts += taken
         left -= sum(t.numel() * t.element_size() for t in taken)

@@ -20,7 +20,7 @@ from tgraph.kernels.triton_backend.common import (
     rows,
 )
 from tgraph.quant import dense, is_quantized
-from tgraph.tuning import GemvTuning, Tuning
+from tgraph.tuning import Tuning
 
 __all__ = ["KERNELS"]
 
@@ -122,15 +122,29 @@ def paged_attention_into(outs: Outs, q, k_cache, v_cache, block_table, seq_len,
     return outs[0]
 
 
+def _quantized_matmul(out2, x2, w, bias, residual2, tuning: Tuning) -> None:
+    from tgraph.kernels.triton.fp8_linear import fp8_linear, fp8_linear_supported
+    from tgraph.kernels.triton.gemv import prefer_quant_gemv, small_m_linear
+    from tgraph.kernels.triton.quant_linear import quant_linear
+
+    if prefer_quant_gemv(x2.shape[0], w, tuning.gemv):
+        small_m_linear(x2, w, out2, bias=bias, residual=residual2, tuning=tuning.gemv)
+    elif tuning.quant_gemm.fp8_activations and fp8_linear_supported(x2, w) \
+            and w.scheme.block[1] >= w.shape[1]:  # block scales: the dense path measured faster
+        fp8_linear(x2, w, out2, bias=bias, residual=residual2, tuning=tuning.quant_gemm)
+    else:
+        quant_linear(x2, w, out2, bias=bias, residual=residual2, tuning=tuning.quant_gemm)
+
+
 def matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: torch.Tensor, bias, residual2,
-                transpose_b: bool, tuning: GemvTuning) -> None:
-    """``out2 = x2 @ w(.T) + bias + residual2`` through the small-M kernel or cuBLAS, or the
-    quantized kernel for a quantized weight."""
+                transpose_b: bool, full_tuning: Tuning) -> None:
+    """``out2 = x2 @ w(.T) + bias + residual2`` through the small-M kernel or cuBLAS, or for a
+    quantized weight the quantized GEMV (small M), the e4m3 GEMM (fp8 weights) or the
+    dequantizing GEMM."""
+    tuning = full_tuning.gemv
     if is_quantized(w):
         if transpose_b:
-            from tgraph.kernels.triton.quant_linear import quant_linear
-
-            quant_linear(last_contiguous(x2), w, out2, bias=bias, residual=residual2)
+            _quantized_matmul(out2, last_contiguous(x2), w, bias, residual2, full_tuning)
             return
         w = dense(w, x2.dtype)  # a transposed quantized operand: no kernel takes it packed
     m, k = x2.shape
@@ -160,7 +174,7 @@ def linear_into(outs: Outs, x, w, bias=None, *, tuning: Tuning, transpose_a=Fals
         return reference_into("linear")(outs, x, w, bias, transpose_a=transpose_a,
                                         transpose_b=transpose_b)
     out2 = outs[0].view(-1, outs[0].shape[-1])
-    matmul_into(out2, rows(x), w, bias, None, transpose_b, tuning.gemv)
+    matmul_into(out2, rows(x), w, bias, None, transpose_b, tuning)
     return outs[0]
 
 
@@ -169,10 +183,10 @@ def linear_epilogue_into(outs: Outs, x, w, bias=None, residual=None, *, tuning: 
     out2 = outs[0].view(-1, outs[0].shape[-1])
     if act is None:
         matmul_into(out2, rows(x), w, bias, None if residual is None else rows(residual),
-                    transpose_b, tuning.gemv)
+                    transpose_b, tuning)
         return outs[0]
     assert act in EPILOGUE_ACTIVATIONS
-    matmul_into(out2, rows(x), w, bias, None, transpose_b, tuning.gemv)
+    matmul_into(out2, rows(x), w, bias, None, transpose_b, tuning)
     out2.copy_(EPILOGUE_ACTIVATIONS[act](out2.float()))
     if residual is not None:
         out2.add_(rows(residual))
@@ -184,12 +198,14 @@ def norm_linear_into(outs: Outs, x, norm_weight, w, bias=None, *, tuning: Tuning
     out2 = outs[0].view(-1, outs[0].shape[-1])
     x2 = rows(x)
     m, k = x2.shape
-    fused_ok = (norm_weight is None or norm_weight.dtype == x2.dtype) and not is_quantized(w) \
-        and w.stride(-1) == 1
+    quantized = is_quantized(w)
+    fused_ok = (norm_weight is None or norm_weight.dtype == x2.dtype) \
+        and (quantized or w.stride(-1) == 1)
     if fused_ok and (w.is_cuda or interpreted(x2)):
-        from tgraph.kernels.triton.gemv import prefer_small_m, small_m_linear
+        from tgraph.kernels.triton.gemv import prefer_quant_gemv, prefer_small_m, small_m_linear
 
-        if prefer_small_m(m, out2.shape[-1], k, tuning=tuning.gemv):
+        if prefer_quant_gemv(m, w, tuning.gemv) if quantized else \
+                prefer_small_m(m, out2.shape[-1], k, tuning=tuning.gemv):
             small_m_linear(x2, w, out2, bias=bias, norm_eps=eps, norm_weight=norm_weight,
                            gated=act == "swiglu", tuning=tuning.gemv)
             return outs[0]
@@ -198,10 +214,10 @@ def norm_linear_into(outs: Outs, x, norm_weight, w, bias=None, *, tuning: Tuning
         x2.shape, dtype=torch.promote_types(x2.dtype, norm_weight.dtype), device=x2.device)
     rms_norm_into([normed], x2, norm_weight, eps=eps)
     if act is None:
-        matmul_into(out2, normed, w, bias, None, True, tuning.gemv)
+        matmul_into(out2, normed, w, bias, None, True, tuning)
         return outs[0]
     gate_up = torch.empty(m, w.shape[0], dtype=out2.dtype, device=out2.device)
-    matmul_into(gate_up, normed, w, bias, None, True, tuning.gemv)
+    matmul_into(gate_up, normed, w, bias, None, True, tuning)
     swiglu_into([out2], gate_up)
     return outs[0]
 

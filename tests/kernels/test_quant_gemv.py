@@ -1,0 +1,133 @@
+"""The small-M linear on quantized weights against the dense reference: every layout, one row
+(CUDA cores, tiles of several scale groups) and 2-64 rows (tensor cores on the codes), with the
+fused RMSNorm, SwiGLU, bias, residual and split-K (under the interpreter on CPU; real Llama shapes
+and a CUDA graph on a GPU, where int4 codes are read by the bit trick of quant_tiles).
+
+Tolerances: the kernel multiplies exact products of codes and activations and applies the fp32
+scales per tile, the reference rounds the dequantized weight to bf16 first; both round the
+output to bf16. So each product may differ by 2**-8 of its size (the reference's weight
+rounding, 2**-9, plus the activations' rounding to bf16 under a fused norm) and the output by
+one ulp: ``2**-7 * (|x| @ |w|.T) + 2**-7 * |out|`` (as tests/kernels/test_quant_linear.py). fp32
+differs by summation order only (1e-5 relative).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu_tiers import sweep
+from tests.helpers import capture_cuda_graph
+from tgraph.kernels.triton.gemv import prefer_quant_gemv, small_m_linear
+from tgraph.quant import QuantizedWeight, quantize
+from tgraph.tuning import GemvTuning, QuantGemvTuning
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+LAYOUTS = [("int4", 32, False, None), ("int4", 64, True, None), ("int4", None, False, None),
+           ("int8", 32, False, None), ("int8", 16, True, None), ("fp8", None, False, None),
+           ("fp8", None, False, (32, 64))]
+
+
+def _weight(kind, group, offsets, block, n, k, dtype, seed=0) -> QuantizedWeight:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) / k ** 0.5
+    return quantize(w, kind, group, offsets, block).to(DEV, dtype)
+
+
+def _reference(x, w, norm_weight=None, gated=False, residual=None, eps=1e-5):
+    xf = x.float()
+    if norm_weight is not None:
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    wd = w.dequantize(x.dtype).float()
+    y = xf @ wd.T
+    mag = xf.abs() @ wd.abs().T
+    if gated:
+        n = y.shape[1] // 2
+        gate, up = y[:, :n], y[:, n:]
+        mag = 1.1 * mag[:, :n] * up.abs() + gate.abs() * mag[:, n:]  # |silu'| <= 1.1
+        y = torch.nn.functional.silu(gate) * up
+    if residual is not None:
+        y = y + residual.float()
+    return y, mag
+
+
+def _check(out, want, mag, dtype):
+    if dtype == torch.float32:
+        tol = 1e-5 * max(1.0, float(want.abs().max()))
+        torch.testing.assert_close(out.float(), want, rtol=0, atol=tol)
+        return
+    bound = 2 ** -7 * mag + 2 ** -7 * want.abs() + 1e-6
+    excess = (out.float() - want).abs() - bound
+    assert float(excess.max()) <= 0, f"bf16 error above its bound by {float(excess.max()):.3g}"
+
+
+@pytest.mark.parametrize("kind, group, offsets, block", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 5, 40])
+@pytest.mark.parametrize("fused", ["plain", "norm+gate", "norm+split", "gate+split"])
+def test_matches_the_dense_reference(kind, group, offsets, block, dtype, m, fused):
+    n, k = 70, 192  # ragged against every tile; 192 is not a power of two
+    gated, norm = "gate" in fused, "norm" in fused
+    split = 3 if "split" in fused else None
+    w = _weight(kind, group, offsets, block, 2 * n if gated else n, k, dtype)
+    x = torch.randn(m, k, device=DEV).to(dtype)
+    g = torch.randn(k, device=DEV).to(dtype) if norm else None
+    r = torch.randn(m, n, device=DEV).to(dtype)
+    out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
+    assert prefer_quant_gemv(m, w)
+    small_m_linear(x, w, out, residual=r, norm_eps=1e-5 if norm else None, norm_weight=g,
+                   gated=gated, split_k=split)
+    want, mag = _reference(x, w, g, gated, r)
+    _check(out, want, mag, dtype)
+
+
+def test_one_row_on_tensor_cores_matches_too():
+    """``m1_fma=False`` pads one row to 16 for the MMA path: same results within the bound."""
+    w = _weight("int4", 32, True, None, 70, 192, torch.bfloat16)
+    x = torch.randn(1, 192, device=DEV).to(torch.bfloat16)
+    out = torch.empty(1, 70, device=DEV, dtype=torch.bfloat16)
+    small_m_linear(x, w, out, tuning=GemvTuning(quant=QuantGemvTuning(m1_fma=False)))
+    _check(out, *_reference(x, w), torch.bfloat16)
+
+
+def test_what_it_does_not_take():
+    w = _weight("int4", 32, True, None, 64, 128, torch.float32)
+    assert not prefer_quant_gemv(65, w)  # above small_m_max: the GEMM's
+    perm = torch.randperm(128, device=DEV)
+    permuted = QuantizedWeight(w.scheme, w.qdata, w.scale, w.offset, w.dtype, "p", perm)
+    assert not prefer_quant_gemv(1, permuted)
+    narrow = _weight("int4", 8, False, None, 64, 128, torch.float32)
+    assert not prefer_quant_gemv(1, narrow)
+    x, out = torch.randn(1, 128, device=DEV), torch.empty(1, 64, device=DEV)
+    with pytest.raises(ValueError, match="act-order"):
+        small_m_linear(x, permuted, out)
+    with pytest.raises(ValueError, match="too narrow"):
+        small_m_linear(x, narrow, out)
+    with pytest.raises(ValueError, match=r"straddles the scale blocks .* use 32"):
+        small_m_linear(torch.randn(2, 128, device=DEV), w, torch.empty(2, 64, device=DEV),
+                       config=(64, 64, 1, 4, 2))
+    with pytest.raises(TypeError, match="must match x dtype"):
+        small_m_linear(x.to(torch.bfloat16), w, out.to(torch.bfloat16))
+
+
+REAL = [("int4", 128, False, None), ("int8", None, False, None), ("fp8", None, False, None),
+        ("fp8", None, False, (128, 128)), ("int4", 32, True, None)]
+
+
+@pytest.mark.parametrize("layout, m, fused", sweep(
+    [REAL, [1, 4, 16, 64], ["plain", "norm+gate"]],
+    fast=[(REAL[0], 1, "norm+gate"), (REAL[0], 16, "plain"), (REAL[1], 1, "plain"),
+          (REAL[2], 4, "norm+gate"), (REAL[3], 64, "plain"), (REAL[4], 1, "plain")],
+    ids=(lambda r: f"{r[0]}-{r[1]}-{r[3]}", None, None)))
+def test_gpu_llama_shapes_in_a_cuda_graph(layout, m, fused):
+    gated = fused == "norm+gate"
+    n, k = (14336, 4096) if gated else (4096, 14336)
+    w = _weight(*layout, 2 * n if gated else n, k, torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    g = torch.randn(k, device="cuda", dtype=torch.bfloat16) if gated else None
+    out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+    graph = capture_cuda_graph(lambda: small_m_linear(
+        x, w, out, norm_eps=1e-5 if gated else None, norm_weight=g, gated=gated))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    _check(out, *_reference(x, w, g, gated), torch.bfloat16)
