@@ -25,9 +25,10 @@ def main(argv=None) -> int:
                         help="decode batch sizes (models: 1 16 64; lora: 16)")
     parser.add_argument("--peers", nargs="*", default=["hf", "compile"],
                         help="peers to measure: hf (eager), compile (StaticCache + torch.compile)")
-    parser.add_argument("--quant", nargs="*", choices=("int4", "int8", "fp8", "all"),
-                        help="models: the quantized models (int4 g128, int8 and fp8 per channel) "
-                             "next to bf16 in the same run")
+    parser.add_argument("--quant", nargs="*", choices=("int4", "int8", "fp8", "fp8-a8", "all"),
+                        help="models: the quantized models (int4 g128, int8 and fp8 per channel; "
+                             "fp8-a8: fp8 with e4m3 activations in prefill) next to bf16 in the "
+                             "same run")
     parser.add_argument("--profile", action="store_true",
                         help="lora: also print each system's kernels by time (torch profiler) and "
                              "its step kernel by kernel (tgraph.bench.timeline)")
@@ -58,7 +59,7 @@ def main(argv=None) -> int:
 
         quant = None
         if args.quant is not None:
-            quant = ["int4", "int8", "fp8"] if "all" in args.quant or not args.quant \
+            quant = ["int4", "int8", "fp8", "fp8-a8"] if "all" in args.quant or not args.quant \
                 else list(dict.fromkeys(args.quant))
         run_model_bench(args.presets, args.batches or [1, 16, 64], args.peers, args.json,
                         args.png, quant)

@@ -3,8 +3,9 @@
 The random bf16 weights of a preset are quantized with round-to-nearest into the layouts the
 checkpoint loaders repack to: every linear of the decoder layers held quantized, the embedding,
 the norms and ``lm_head`` in bf16 (what int4 / fp8 checkpoints ship). Each scheme is measured in
-the same run as the bf16 model: decode steps at the requested batches (static graphs, context
-512), CUDA-graph replays, and prefill 1 x 2048 and 8 x 512.
+the same run as the bf16 model (``fp8-a8``: fp8 weights with the activations quantized to e4m3
+in prefill, ``QuantGemmTuning.fp8_activations``): decode steps at the requested batches (static
+graphs, context 512), CUDA-graph replays, and prefill 1 x 2048 and 8 x 512.
 
 A step's weight-read bound counts the bytes one decode step must read: the quantized codes with
 their scales (and offsets), the bf16 weights that stay dense except the embedding table, of
@@ -24,8 +25,10 @@ from tgraph.io.model_config import ModelConfig
 from tgraph.io.weights import DictWeightLoader
 from tgraph.models.loading import build_model
 from tgraph.quant import QuantizedWeight, quantize
+from tgraph.tuning import QuantGemmTuning, Tuning
 
-__all__ = ["QUANT_SCHEMES", "QuantResult", "quantize_linears", "step_read_bytes"]
+__all__ = ["QUANT_SCHEMES", "SCHEME_TUNING", "QuantResult", "linear_names", "quantize_linears",
+           "step_read_bytes"]
 
 # kind -> quantize() arguments: int4 group 128 symmetric (GPTQ / AWQ / compressed-tensors
 # W4A16), int8 per channel (W8A16), fp8 e4m3 per channel (FP8-dynamic checkpoints).
@@ -33,6 +36,11 @@ QUANT_SCHEMES: dict[str, dict] = {
     "int4": dict(kind="int4", group_size=128),
     "int8": dict(kind="int8"),
     "fp8": dict(kind="fp8"),
+    "fp8-a8": dict(kind="fp8"),  # fp8 with e4m3 activations in prefill (SCHEME_TUNING)
+}
+# Schemes that run with other than the default settings.
+SCHEME_TUNING: dict[str, Tuning] = {
+    "fp8-a8": Tuning(quant_gemm=QuantGemmTuning(fp8_activations=True)),
 }
 _LINEAR = re.compile(r"\.layers\.\d+\.(self_attn|mlp)\.\w+_proj\.weight$")
 
@@ -49,11 +57,15 @@ class QuantResult:
     skipped: str | None = None
 
 
+def linear_names(weights: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the decoder layers' linear weights (what the bench quantizes)."""
+    return [name for name in weights if _LINEAR.search(name)]
+
+
 def quantize_linears(weights: dict[str, torch.Tensor], kind: str) -> dict[str, QuantizedWeight]:
     """The decoder layers' linear weights of ``weights`` quantized to scheme ``kind``."""
     args = QUANT_SCHEMES[kind]
-    return {name: quantize(w, name=name, **args) for name, w in weights.items()
-            if _LINEAR.search(name)}
+    return {name: quantize(weights[name], name=name, **args) for name in linear_names(weights)}
 
 
 def step_read_bytes(hf_config: dict, weights: dict[str, torch.Tensor],
@@ -96,7 +108,8 @@ def bench_quantized(hf_config: dict, weights: dict[str, torch.Tensor], kinds: li
                           step / (copy_gbps * 1e9) * 1e3)
         label = f"tgraph {kind}"
         try:
-            model = quantized_model(hf_config, weights, quantized, max_model_len=4096)
+            extra = {"tuning": SCHEME_TUNING[kind]} if kind in SCHEME_TUNING else {}
+            model = quantized_model(hf_config, weights, quantized, max_model_len=4096, **extra)
             scratch = PresetResult(label, resident, res.bound_ms)
             bench_tgraph(model, batches, scratch, "tgraph static")
             res.decode_ms = scratch.decode_ms["tgraph static"]
@@ -115,7 +128,7 @@ def _describe(kind: str) -> str:
     args = QUANT_SCHEMES[kind]
     if args.get("group_size"):
         return f" g{args['group_size']}"
-    return " channel"
+    return " channel" + (" a8" if kind == "fp8-a8" else "")
 
 
 def print_quant_table(preset: str, bf16_step_ms: dict, bf16_prefill: dict, bf16_step_bound: float,

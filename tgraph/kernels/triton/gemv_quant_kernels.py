@@ -1,0 +1,226 @@
+"""Device code of the small-M linear on quantized weights (:mod:`tgraph.kernels.triton.gemv`):
+tiles of codes and scales, the tensor-core step that folds scales per tile, and the one-row int4
+step on int32 words of codes unpacked by PTX.
+
+The main kernel, :func:`~tgraph.kernels.triton.gemv_kernels.small_m_linear_kernel`, calls these
+under its ``QKIND`` constexpr; the layouts are :mod:`tgraph.kernels.triton.quant_tiles`'.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from tgraph.kernels.triton.gemv_tiles import load_x_tile, mac
+from tgraph.kernels.triton.quant_tiles import (
+    dequantize_groups,
+    fold_part,
+    load_codes,
+    load_scale_tile,
+    load_scales,
+)
+
+__all__ = ["int4_row_step", "k_step_q", "load_q_tile", "load_words"]
+
+
+@triton.jit
+def load_q_tile(w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0, k_end, stride_qs,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 GATED: tl.constexpr, QKIND: tl.constexpr, QROWS: tl.constexpr,
+                 QCOLS: tl.constexpr, QNG: tl.constexpr, QOFFSETS: tl.constexpr,
+                 QBASE_BITS: tl.constexpr, NATIVE_FP8: tl.constexpr, DTYPE: tl.constexpr):
+    """A quantized weight's tile at ``k0``: codes and scales (and the "up" rows' when ``GATED``;
+    else the same again), see :mod:`tgraph.kernels.triton.quant_tiles`. ``BLOCK_M == 1``: the
+    tile spans ``QNG`` scale blocks, scales ``[BLOCK_N, QNG]``; else one, scales per row."""
+    v = load_codes(w_rows, k0, k_end, mask_n, BLOCK_N, BLOCK_K, QKIND, QBASE_BITS, NATIVE_FP8,
+                   DTYPE)
+    if BLOCK_M == 1:
+        s, b = load_scale_tile(qs_ptr, qb_ptr, offs_n, mask_n, k0, k_end, stride_qs, QROWS, QCOLS,
+                               QNG, QOFFSETS)
+    else:
+        s, b = load_scales(qs_ptr, qb_ptr, offs_n, mask_n, k0, stride_qs, QROWS, QCOLS, QOFFSETS)
+    if GATED:
+        v_u = load_codes(u_rows, k0, k_end, mask_n, BLOCK_N, BLOCK_K, QKIND, QBASE_BITS,
+                         NATIVE_FP8, DTYPE)
+        if BLOCK_M == 1:
+            s_u, b_u = load_scale_tile(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, k_end,
+                                       stride_qs, QROWS, QCOLS, QNG, QOFFSETS)
+        else:
+            s_u, b_u = load_scales(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, stride_qs,
+                                   QROWS, QCOLS, QOFFSETS)
+    else:
+        v_u, s_u, b_u = v, s, b
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    return v, v_u, s, b, s_u, b_u, offs_k, offs_k < k_end
+
+
+@triton.jit
+def k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
+              BLOCK_M: tl.constexpr, NORM: tl.constexpr, HAS_G: tl.constexpr,
+              GATED: tl.constexpr, F32_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+              QZERO: tl.constexpr, QOFFSETS: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, QNG: tl.constexpr):
+    """One K tile on a quantized weight. ``BLOCK_M == 1``: the tile dequantized in fp32 and
+    multiplied elementwise (CUDA cores, as the bf16 GEMV of one row); else the products on the
+    codes on tensor cores, folded with the tile's scales."""
+    xv, part = load_x_tile(x_rows, g_ptr, offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G)
+    sq += part
+    # One return at the end: Triton compiles no return inside a branch.
+    if BLOCK_M == 1:
+        acc = mac(acc, dequantize_groups(v, s, b, QZERO, QOFFSETS, BLOCK_N, BLOCK_K, QNG), xv,
+                   BLOCK_M, F32_DOT, SWAP_AB)
+        if GATED:
+            acc_u = mac(acc_u, dequantize_groups(v_u, s_u, b_u, QZERO, QOFFSETS, BLOCK_N,
+                                                  BLOCK_K, QNG), xv, BLOCK_M, F32_DOT, SWAP_AB)
+    else:
+        xd = xv.to(v.dtype)
+        # The row sums of exactly the values the products see (x rounded to the MMA's dtype).
+        sx = tl.sum(xd.to(tl.float32), axis=1)
+        acc = fold_part(acc, mac(tl.zeros_like(acc), v, xd, BLOCK_M, F32_DOT, SWAP_AB), s, b,
+                        sx, QZERO, QOFFSETS, SWAP_AB)
+        if GATED:
+            acc_u = fold_part(acc_u, mac(tl.zeros_like(acc_u), v_u, xd, BLOCK_M, F32_DOT,
+                                          SWAP_AB), s_u, b_u, sx, QZERO, QOFFSETS, SWAP_AB)
+    return acc, acc_u, sq
+
+
+# The eight codes of an int32 word of int4 bytes, each as the fp32 bits of 2**23 + q: one PRMT
+# per code puts a byte of the masked nibbles under the exponent byte 0x4B.
+_UNPACK_WORD_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 lo, hi, magic;
+mov.b32 magic, 0x4B000000;
+and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, magic, 0x7540;
+prmt.b32 $1, lo, magic, 0x7541;
+prmt.b32 $2, lo, magic, 0x7542;
+prmt.b32 $3, lo, magic, 0x7543;
+prmt.b32 $4, hi, magic, 0x7540;
+prmt.b32 $5, hi, magic, 0x7541;
+prmt.b32 $6, hi, magic, 0x7542;
+prmt.b32 $7, hi, magic, 0x7543;
+}
+""")
+
+
+@triton.jit
+def _unpack_words(words, ASM: tl.constexpr):
+    """Each int32 word of int4 bytes as eight fp32 tensors ``2**23 + q``: the low nibbles of
+    bytes 0-3 (columns 0, 2, 4, 6 of the word's eight), then the high ones (1, 3, 5, 7).
+    ``ASM``: by PTX (two integer operations per code fewer); else by Triton's integer ops (the
+    interpreter)."""
+    if ASM:
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            _UNPACK_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                   tl.int32), is_pure=True, pack=1)
+    else:
+        lo = words & 0x0F0F0F0F
+        hi = (words >> 4) & 0x0F0F0F0F
+        c0 = (lo & 0xFF) | 0x4B000000
+        c1 = ((lo >> 8) & 0xFF) | 0x4B000000
+        c2 = ((lo >> 16) & 0xFF) | 0x4B000000
+        c3 = ((lo >> 24) & 0xFF) | 0x4B000000
+        c4 = (hi & 0xFF) | 0x4B000000
+        c5 = ((hi >> 8) & 0xFF) | 0x4B000000
+        c6 = ((hi >> 16) & 0xFF) | 0x4B000000
+        c7 = ((hi >> 24) & 0xFF) | 0x4B000000
+    return (c0.to(tl.float32, bitcast=True), c1.to(tl.float32, bitcast=True),
+            c2.to(tl.float32, bitcast=True), c3.to(tl.float32, bitcast=True),
+            c4.to(tl.float32, bitcast=True), c5.to(tl.float32, bitcast=True),
+            c6.to(tl.float32, bitcast=True), c7.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _x_word_columns(x_rows, g_ptr, offs_w, mask_w, W: tl.constexpr, NORM: tl.constexpr,
+                    HAS_G: tl.constexpr):
+    """The activations of one row under ``W`` words of codes: loaded as one contiguous ``[W, 8]``
+    tile (times the norm weight, with its sum of squares) and split in registers into the eight
+    ``[1, W]`` columns in the order of :func:`_unpack_words` (0, 2, 4, 6, 1, 3, 5, 7)."""
+    cols = 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]
+    xv = tl.load(x_rows + cols, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    sq = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
+    if HAS_G:
+        xv = xv * tl.load(g_ptr + cols, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    even, odd = tl.split(tl.reshape(xv, [W, 4, 2]))  # columns 0 2 4 6 | 1 3 5 7
+    e04, e26 = tl.split(tl.reshape(even, [W, 2, 2]))
+    o15, o37 = tl.split(tl.reshape(odd, [W, 2, 2]))
+    x0, x4 = tl.split(e04)
+    x2, x6 = tl.split(e26)
+    x1, x5 = tl.split(o15)
+    x3, x7 = tl.split(o37)
+    if not NORM:
+        sq = 0.0
+    return (x0[None, :], x2[None, :], x4[None, :], x6[None, :], x1[None, :], x3[None, :],
+            x5[None, :], x7[None, :], sq)
+
+
+@triton.jit
+def _word_column(acc, acc_u, v, v_u, s, b, s_u, b_u, xv, BLOCK_N: tl.constexpr,
+                 W: tl.constexpr, GATED: tl.constexpr, QNG: tl.constexpr,
+                 QOFFSETS: tl.constexpr, QZERO: tl.constexpr):
+    """One of a word's eight code columns against its column of x."""
+    acc += dequantize_groups(v, s, b, QZERO, QOFFSETS, BLOCK_N, W, QNG) * xv
+    if GATED:
+        acc_u += dequantize_groups(v_u, s_u, b_u, QZERO, QOFFSETS, BLOCK_N, W, QNG) * xv
+    return acc, acc_u
+
+
+@triton.jit
+def load_words(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
+    """The int32 words of codes of the K tile at ``k0`` (and of the "up" rows); past ``k_end``
+    they read as zeros."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = mask_n[:, None] & (offs_w < k_end // 8)[None, :]
+    words = tl.load(w_rows + offs_w[None, :], mask=mask, other=0)
+    if GATED:
+        words_u = tl.load(u_rows + offs_w[None, :], mask=mask, other=0)
+    else:
+        words_u = words
+    return words, words_u
+
+
+@triton.jit
+def int4_row_step(acc, acc_u, sq, words, words_u, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n,
+                   k0, k_end, stride_qs, x_rows, g_ptr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, GATED: tl.constexpr, NORM: tl.constexpr,
+                   HAS_G: tl.constexpr, QROWS: tl.constexpr, QCOLS: tl.constexpr,
+                   QNG: tl.constexpr, QOFFSETS: tl.constexpr, QZERO: tl.constexpr,
+                   ASM: tl.constexpr):
+    """One K tile of one row on int4 codes read as int32 ``words`` (eight codes each; ``words_u``
+    the "up" rows'): the eight code columns of the words, each against its column of x (with
+    the fused norm's sums of squares); ``acc`` is ``[BLOCK_N, BLOCK_K / 8]``."""
+    W: tl.constexpr = BLOCK_K // 8
+    offs_w = k0 // 8 + tl.arange(0, W)
+    mask_w = offs_w < k_end // 8
+    c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(words, ASM)
+    s, b = load_scale_tile(qs_ptr, qb_ptr, offs_n, mask_n, k0, k_end, stride_qs, QROWS, QCOLS,
+                           QNG, QOFFSETS)
+    if GATED:
+        u0, u1, u2, u3, u4, u5, u6, u7 = _unpack_words(words_u, ASM)
+        s_u, b_u = load_scale_tile(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, k_end,
+                                   stride_qs, QROWS, QCOLS, QNG, QOFFSETS)
+    else:
+        u0, u1, u2, u3, u4, u5, u6, u7 = c0, c1, c2, c3, c4, c5, c6, c7
+        s_u, b_u = s, b
+    x0, x1, x2, x3, x4, x5, x6, x7, part = _x_word_columns(x_rows, g_ptr, offs_w, mask_w, W,
+                                                          NORM, HAS_G)
+    sq += part
+    acc, acc_u = _word_column(acc, acc_u, c0, u0, s, b, s_u, b_u, x0, BLOCK_N, W, GATED, QNG,
+                              QOFFSETS, QZERO)
+    acc, acc_u = _word_column(acc, acc_u, c1, u1, s, b, s_u, b_u, x1, BLOCK_N, W, GATED, QNG,
+                              QOFFSETS, QZERO)
+    acc, acc_u = _word_column(acc, acc_u, c2, u2, s, b, s_u, b_u, x2, BLOCK_N, W, GATED, QNG,
+                              QOFFSETS, QZERO)
+    acc, acc_u = _word_column(acc, acc_u, c3, u3, s, b, s_u, b_u, x3, BLOCK_N, W, GATED, QNG,
+                              QOFFSETS, QZERO)
+    acc, acc_u = _word_column(acc, acc_u, c4, u4, s, b, s_u, b_u, x4, BLOCK_N, W, GATED, QNG,
+                              QOFFSETS, QZERO)
+    acc, acc_u = _word_column(acc, acc_u, c5, u5, s, b, s_u, b_u, x5, BLOCK_N, W, GATED, QNG,
+                              QOFFSETS, QZERO)
+    acc, acc_u = _word_column(acc, acc_u, c6, u6, s, b, s_u, b_u, x6, BLOCK_N, W, GATED, QNG,
+                              QOFFSETS, QZERO)
+    acc, acc_u = _word_column(acc, acc_u, c7, u7, s, b, s_u, b_u, x7, BLOCK_N, W, GATED, QNG,
+                              QOFFSETS, QZERO)
+    return acc, acc_u, sq
