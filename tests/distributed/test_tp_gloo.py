@@ -84,7 +84,20 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "split": _save_llama(root / "split"),
         "replicated": _save_llama(root / "replicated", num_key_value_heads=1,
                                   intermediate_size=90, tie_word_embeddings=True),
+        "moe": _save_moe(root / "moe"),
     }
+
+
+def _save_moe(path: Path) -> Path:
+    """A Qwen2-MoE (4 experts, 2 per token, a gated shared expert): each expert's intermediate
+    dimension split over the ranks, the block's partial sums all-reduced."""
+    from tgraph.testing import random_hf_model
+
+    model = random_hf_model("qwen2_moe", seed=0, vocab_size=128, num_hidden_layers=2,
+                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                            shared_expert_intermediate_size=80, norm_topk_prob=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
 
 
 # ---- launching ----------------------------------------------------------------------------------
@@ -173,9 +186,9 @@ def tp_run(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactor
 
 
 def _hf_last_logits(path: Path) -> list[torch.Tensor]:
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    hf = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         return [hf(torch.tensor([p])).logits[0, -1] for p in PROMPTS]
 
@@ -192,7 +205,7 @@ def test_single_process_reference_matches_transformers(tp_run: TPRun) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["split", "replicated"])
+@pytest.mark.parametrize("name", ["split", "replicated", "moe"])
 def test_world_size_2_matches_world_size_1(tp_run: TPRun, name: str, mode: str) -> None:
     ref_logits, ref_tokens = tp_run.reference[(name, mode)]
     ranks = [tp_run.rank_tensors(r) for r in range(2)]

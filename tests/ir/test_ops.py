@@ -1093,12 +1093,42 @@ PREFETCH_INFO = OpInfo(
                           weights={"w_o": rand(32, 32, dtype=dtype),
                                    "w_gate_up": rand(64, 32, dtype=dtype)})])
 
+def _moe_expect(x, logits, w13, w2, top_k=2, renormalize=True):
+    """Each token's top-k experts by softmax probability, one token at a time."""
+    inter = w2.shape[-1]
+    out = torch.zeros_like(x)
+    probs = torch.softmax(logits, -1)
+    for t in range(x.shape[0]):
+        top = torch.topk(probs[t], top_k)
+        weights = top.values / top.values.sum() if renormalize else top.values
+        for w, e in zip(weights, top.indices):
+            gu = w13[e] @ x[t]
+            out[t] += w * (w2[e] @ (gu[:inter] * torch.sigmoid(gu[:inter]) * gu[inter:]))
+    return out
+
+
+MOE_INFO = OpInfo(
+    "moe",
+    lambda x, logits, w13, w2, top_k=2, renormalize=True: F.moe(x, logits, w13, w2, top_k,
+                                                                 renormalize),
+    _moe_expect,
+    lambda dtype: [
+        Sample({"x": rand(5, 16, dtype=dtype), "logits": rand(5, 4, dtype=dtype, lo=-3, hi=3)},
+               shapes={"x": ("num_tokens", 16), "logits": ("num_tokens", 4)},
+               weights={"w13": rand(4, 24, 16, dtype=dtype, lo=-0.5, hi=0.5),
+                        "w2": rand(4, 16, 12, dtype=dtype, lo=-0.5, hi=0.5)}),
+        Sample({"x": rand(3, 16, dtype=dtype), "logits": rand(3, 4, dtype=dtype, lo=-3, hi=3)},
+               {"top_k": 3, "renormalize": False},
+               weights={"w13": rand(4, 24, 16, dtype=dtype, lo=-0.5, hi=0.5),
+                        "w2": rand(4, 16, 12, dtype=dtype, lo=-0.5, hi=0.5)}),
+    ])
+
 OP_INFOS: list[OpInfo] = (
     UNARY_INFOS + SIGNED_INFOS + BINARY_INFOS + [PROMOTION_INFO] + COMPARE_INFOS
     + [WHERE_INFO, CAST_INFO] + REDUCE_INFOS + [SOFTMAX_INFO] + LINALG_INFOS + ACTIVATION_INFOS
     + VIEW_INFOS + MEMORY_INFOS + [ROPE_INFO, CACHE_INFO] + ATTENTION_INFOS + FUSED_INFOS
     + COLLECTIVE_INFOS + [LORA_INFO] + LORA_PROLOGUE_INFOS + [SDPA_INFO, TO_DEVICE_INFO]
-    + [PREFETCH_INFO]
+    + [PREFETCH_INFO, MOE_INFO]
 )
 
 

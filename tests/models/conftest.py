@@ -33,6 +33,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {"head_dim": 32}),
     # A window of 5 tokens, shorter than most test prompts.
     "mistral": ("mistral", {"sliding_window": 5}),
+    # Mixture-of-experts: 4 experts, 2 per token. Qwen3-MoE renormalises the top-2 and keeps
+    # layer 1 dense; Qwen2-MoE adds its gated shared expert and does not renormalise; Mixtral
+    # always renormalises.
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 48, "norm_topk_prob": True,
+                                "head_dim": 32, "mlp_only_layers": [1]}),
+    "qwen2_moe": ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2,
+                                "moe_intermediate_size": 48, "norm_topk_prob": False,
+                                "shared_expert_intermediate_size": 80}),
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
 }
 
 # Prompts of different lengths (1 to 18 tokens), longer than the sliding window and spanning

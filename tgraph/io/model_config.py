@@ -468,7 +468,24 @@ def _build_mistral(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def _build_qwen3_moe(d: dict[str, Any]) -> ModelConfig:
+    # Unlike Qwen3, a Qwen3-MoE config without head_dim means hidden_size / heads.
+    fields = parse_common_fields(d, {"max_position_embeddings": 32768, "qk_norm": True})
+    fields.update(sliding_window=_qwen_window(d))
+    return ModelConfig(**fields)
+
+
+def _build_qwen2_moe(d: dict[str, Any]) -> ModelConfig:
+    fields = parse_common_fields(d, {"max_position_embeddings": 32768})
+    # q/k/v biases by the config's qkv_bias (transformers' default: on).
+    fields.update(attention_bias=_bool(d, "qkv_bias", True), sliding_window=_qwen_window(d))
+    return ModelConfig(**fields)
+
+
 register_config_builder("llama", _model_type_is("llama"), _build_llama)
 register_config_builder("qwen2", _model_type_is("qwen2"), _build_qwen2)
 register_config_builder("qwen3", _model_type_is("qwen3"), _build_qwen3)
 register_config_builder("mistral", _model_type_is("mistral"), _build_mistral)
+register_config_builder("qwen3_moe", _model_type_is("qwen3_moe"), _build_qwen3_moe)
+register_config_builder("qwen2_moe", _model_type_is("qwen2_moe"), _build_qwen2_moe)
+register_config_builder("mixtral", _model_type_is("mixtral"), _build_mistral)

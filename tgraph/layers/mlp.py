@@ -15,16 +15,18 @@ _GATE_ACTS = {"silu": ActType.SILU, "gelu": ActType.GELU, "gelu_pytorch_tanh": A
 
 
 class Mlp(Module):
-    """``down(act(gate(x)) * up(x))`` with gate and up packed into one GEMM."""
+    """``down(act(gate(x)) * up(x))`` with gate and up packed into one GEMM (of
+    ``intermediate_size`` columns each, the config's unless given)."""
 
     def __init__(self, config: ModelConfig, loader: WeightLoader, prefix: str,
-                 bias: bool = False) -> None:
+                 bias: bool = False, intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act not in _GATE_ACTS:
             raise ConfigError(f"hidden_act {config.hidden_act!r} is not supported; expected one "
                               f"of {sorted(_GATE_ACTS)}")
         self.act = _GATE_ACTS[config.hidden_act]
-        hidden, inter = config.hidden_size, config.intermediate_size
+        hidden = config.hidden_size
+        inter = config.intermediate_size if intermediate_size is None else intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             loader, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], hidden, [inter, inter], bias=bias)
         self.down_proj = RowParallelLinear(loader, f"{prefix}.down_proj", inter, hidden, bias=bias)

@@ -42,6 +42,9 @@ BUILTIN_FAMILIES: tuple[BuiltinFamily, ...] = (
     BuiltinFamily("tgraph.models.mistral", ("mistral",), ("MistralForCausalLM",)),
     BuiltinFamily("tgraph.models.qwen2", ("qwen2",), ("Qwen2ForCausalLM",)),
     BuiltinFamily("tgraph.models.qwen3", ("qwen3",), ("Qwen3ForCausalLM",)),
+    BuiltinFamily("tgraph.models.qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",)),
+    BuiltinFamily("tgraph.models.qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",)),
+    BuiltinFamily("tgraph.models.mixtral", ("mixtral",), ("MixtralForCausalLM",)),
 )
 
 

@@ -428,6 +428,24 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, transpose_a: b
     return _one("linear", [x, weight, bias], transpose_a=transpose_a, transpose_b=transpose_b)
 
 
+def moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
+        renormalize: bool) -> Tensor:
+    """Routed SwiGLU experts (see :mod:`tgraph.ir.ops.moe`).
+
+    Args:
+        x: ``[tokens, hidden]``.
+        router_logits: ``[tokens, experts]``.
+        w13: ``[experts, 2 * inter, hidden]``, each expert's gate rows then up rows.
+        w2: ``[experts, hidden, inter]``.
+        top_k: experts per token.
+        renormalize: scale each token's chosen probabilities to sum to one.
+
+    Returns:
+        ``[tokens, hidden]``.
+    """
+    return _one("moe", [x, router_logits, w13, w2], top_k=top_k, renormalize=renormalize)
+
+
 def matmul(a: Tensor, b: Tensor) -> Tensor:
     """Batched matrix product with broadcasting of the batch dims (rank >= 2 operands)."""
     return _one("matmul", [a, b])

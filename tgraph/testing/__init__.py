@@ -26,11 +26,14 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
 __all__ = [
-    "FAMILIES", "TINY_SHAPES", "GreedyTrace", "PagedBatcher", "generate_greedy", "hf_greedy",
-    "hf_logits", "make_tiny_hf_model", "random_hf_model", "run_greedy", "tiny_hf_config",
+    "FAMILIES", "MOE_FAMILIES", "TINY_SHAPES", "GreedyTrace", "PagedBatcher", "generate_greedy",
+    "hf_greedy", "hf_logits", "make_tiny_hf_model", "random_hf_model", "run_greedy",
+    "tiny_hf_config",
 ]
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+# Mixture-of-experts families (tiny configs need their expert keys: see tests/models/test_moe.py).
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 # Small enough for the CPU interpreter, big enough to exercise GQA (4 query heads share 2 KV
 # heads), several layers and several vocabulary shards (192 divides by 2, 3, 4 and 6).
@@ -49,7 +52,10 @@ def _family_classes(family: str) -> tuple[type, type]:
     names = {"llama": ("LlamaConfig", "LlamaForCausalLM"),
              "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
-             "mistral": ("MistralConfig", "MistralForCausalLM")}
+             "mistral": ("MistralConfig", "MistralForCausalLM"),
+             "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+             "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+             "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
     if family not in names:
         raise ValueError(f"unknown family {family!r}; expected one of {list(names)}")
     config_name, model_name = names[family]

@@ -7,6 +7,7 @@ from tgraph.ir.ops import (  # noqa: F401  # noqa: F401,E402
     hints,
     linalg,
     lora,
+    moe,
     norms,
     pointwise,
     reduction,

@@ -321,10 +321,11 @@ def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
         return (q.m1_block_n, _one_row_block_k(weight, q.m1_block_k), 1, q.m1_num_warps,
                 q.m1_num_stages)
     block_k = quant_block_k(weight, q.block_k)
-    n_blocks = triton.cdiv(N, q.block_n) * triton.cdiv(M, _block_m(M, quantized=True))
+    block_n = q.block_n if weight.scheme.kind == "int4" else q.block_n_8bit
+    n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, _block_m(M, quantized=True))
     want = triton.cdiv(q.programs_per_sm * sm_count(device), n_blocks)
     split_k = _even_split(triton.cdiv(weight.shape[1], block_k), want, tuning.max_split_k)
-    return q.block_n, block_k, split_k, q.num_warps, q.num_stages
+    return block_n, block_k, split_k, q.num_warps, q.num_stages
 
 
 def workspace_size(M: int, N: int, split_k: int, gated: bool = False, norm: bool = False) -> int:

@@ -24,6 +24,7 @@ class BaseLayer(Module):
     def __init__(self, config: ModelConfig, loader: WeightLoader, prefix: str,
                  layer_idx: int) -> None:
         super().__init__()
+        self.layer_idx = layer_idx  # for families whose MLP differs by layer (MoE)
         self.input_layernorm = RmsNorm(loader, f"{prefix}.input_layernorm", config.hidden_size,
                                        config.rms_norm_eps)
         self.self_attn = self.make_attention(config, loader, f"{prefix}.self_attn", layer_idx)

@@ -1,0 +1,3 @@
+from tgraph.models.mixtral.modeling import FlashMixtralForCausalLM
+
+__all__ = ["FlashMixtralForCausalLM"]

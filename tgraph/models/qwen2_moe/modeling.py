@@ -1,0 +1,35 @@
+"""Qwen2-MoE: Qwen2 (q/k/v biases by ``qkv_bias``) whose sparse MLP blocks add a shared expert
+scaled by a sigmoid gate to the routed experts (softmax top-k, renormalised with
+``norm_topk_prob``)."""
+from __future__ import annotations
+
+from tgraph.layers.attention import Attention
+from tgraph.layers.mlp import Mlp
+from tgraph.layers.moe import MoeConfig, SparseMoeBlock
+from tgraph.models.base.decoder import BaseModel
+from tgraph.models.base.graph import torch_to_graph
+from tgraph.models.llama.modeling import LlamaLikeForCausalLM
+from tgraph.models.qwen2.modeling import Qwen2Layer
+from tgraph.models.registry import register_model
+
+
+class Qwen2MoeLayer(Qwen2Layer):
+    def make_attention(self, config, loader, prefix, layer_idx):
+        return Attention(config, loader, prefix, layer_idx, qkv_bias=config.attention_bias,
+                         o_bias=False, sliding_window=config.sliding_window)
+
+    def make_mlp(self, config, loader, prefix):
+        moe = MoeConfig(config, shared=True)
+        if moe.is_sparse(self.layer_idx):
+            return SparseMoeBlock(config, loader, prefix, moe)
+        return Mlp(config, loader, prefix, bias=config.mlp_bias)
+
+
+class Qwen2MoeModel(BaseModel):
+    layer_cls = Qwen2MoeLayer
+
+
+@register_model(model_types=("qwen2_moe",), architectures=("Qwen2MoeForCausalLM",))
+@torch_to_graph()
+class FlashQwen2MoeForCausalLM(LlamaLikeForCausalLM):
+    model_cls = Qwen2MoeModel

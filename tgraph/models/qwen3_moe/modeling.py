@@ -1,0 +1,29 @@
+"""Qwen3-MoE: Qwen3 whose MLPs are sparse blocks of routed experts (softmax top-k, renormalised
+with ``norm_topk_prob``), dense on ``mlp_only_layers`` and off the ``decoder_sparse_step``."""
+from __future__ import annotations
+
+from tgraph.layers.mlp import Mlp
+from tgraph.layers.moe import MoeConfig, SparseMoeBlock
+from tgraph.models.base.decoder import BaseModel
+from tgraph.models.base.graph import torch_to_graph
+from tgraph.models.llama.modeling import LlamaLikeForCausalLM
+from tgraph.models.qwen3.modeling import Qwen3Layer
+from tgraph.models.registry import register_model
+
+
+class Qwen3MoeLayer(Qwen3Layer):
+    def make_mlp(self, config, loader, prefix):
+        moe = MoeConfig(config)
+        if moe.is_sparse(self.layer_idx):
+            return SparseMoeBlock(config, loader, prefix, moe)
+        return Mlp(config, loader, prefix, bias=config.mlp_bias)
+
+
+class Qwen3MoeModel(BaseModel):
+    layer_cls = Qwen3MoeLayer
+
+
+@register_model(model_types=("qwen3_moe",), architectures=("Qwen3MoeForCausalLM",))
+@torch_to_graph()
+class FlashQwen3MoeForCausalLM(LlamaLikeForCausalLM):
+    model_cls = Qwen3MoeModel
