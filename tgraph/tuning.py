@@ -82,10 +82,8 @@ class QuantGemvTuning(_Section):
 
     small_m_max: int = knob(64, "largest M run as a GEMV on a quantized weight; above it the "
                                 "dequantizing GEMM")
-    block_n: int = knob(64, "int4: weight rows per program (64 or more: the weight is the "
-                            "MMA's M side; 32-row non-swapped tiles measured 12-26% of copy)")
-    block_n_8bit: int = knob(32, "int8 / fp8: weight rows per program: non-swapped 32-row tiles "
-                                 "measured 52-69% of copy against 45-61% swapped")
+    block_n: int = knob(64, "weight rows per program (64 or more: the weight is the MMA's M "
+                            "side; 32-row non-swapped tiles made int8 / fp8 steps slower)")
     block_k: int = knob(128, "logical K per step, capped at the scale group: every tile lies "
                              "in one scale block")
     num_warps: int = knob(4, "warps per program")

@@ -321,7 +321,7 @@ def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
         return (q.m1_block_n, _one_row_block_k(weight, q.m1_block_k), 1, q.m1_num_warps,
                 q.m1_num_stages)
     block_k = quant_block_k(weight, q.block_k)
-    block_n = q.block_n if weight.scheme.kind == "int4" else q.block_n_8bit
+    block_n = q.block_n
     n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, _block_m(M, quantized=True))
     want = triton.cdiv(q.programs_per_sm * sm_count(device), n_blocks)
     split_k = _even_split(triton.cdiv(weight.shape[1], block_k), want, tuning.max_split_k)
