@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["DecodeAttentionTuning", "DecodeTiles", "GemvConfig", "GemvOverride", "GemvTuning",
-           "LoraTuning", "PrefetchTuning", "QuantGemmTuning", "QuantGemvTuning", "Tuning",
-           "convert", "describe", "from_dict", "leaf_types", "to_dict"]
+           "LoraTuning", "MoeTuning", "PrefetchTuning", "QuantGemmTuning", "QuantGemvTuning",
+           "Tuning", "convert", "describe", "from_dict", "leaf_types", "to_dict"]
 
 
 def knob(default: Any, doc: str, minimum: int = 1) -> Any:
@@ -219,6 +219,16 @@ class QuantGemmTuning(_Section):
 
 
 @dataclass(frozen=True)
+class MoeTuning(_Section):
+    """Routed experts (``tgraph.kernels.triton.moe``)."""
+
+    decode_max_tokens: int = knob(64, "up to this many tokens each reads only its experts' "
+                                      "weights (decode kernels); more run the reference")
+    block_n: int = knob(16, "decode kernels: weight rows per program")
+    block_k: int = knob(256, "decode kernels: K per step")
+
+
+@dataclass(frozen=True)
 class Tuning(_Section):
     """Every kernel family's launch settings; the engine holds one (``Engine.tuning``)."""
 
@@ -228,6 +238,7 @@ class Tuning(_Section):
     lora: LoraTuning = section(LoraTuning, "the multi-LoRA shrink kernels")
     prefetch: PrefetchTuning = section(PrefetchTuning, "the batch-1 L2 weight prefetch")
     quant_gemm: QuantGemmTuning = section(QuantGemmTuning, "prefill GEMMs on quantized weights")
+    moe: MoeTuning = section(MoeTuning, "routed experts")
 
 
 # ------------------------------------------------------------------------- dicts and settings

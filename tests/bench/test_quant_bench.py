@@ -52,3 +52,16 @@ def test_the_table_shows_each_scheme_against_bf16(capsys):
     assert int4.split()[3:8] == ["2", "1.000", "2.000", "2.00", "2.00x"]
     assert "5.00" in int4 and "2.00x" in int4.split()[-1]
     assert re.search(r"tgraph fp8 +skipped: RuntimeError: no", out)
+
+
+def test_a_moe_step_reads_the_experts_its_tokens_touch():
+    from tgraph.bench.models import moe_step_bytes
+
+    weights = {"model.embed_tokens.weight": torch.zeros(10, 8),
+               "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 6, 8),
+               "model.layers.0.mlp.gate.weight": torch.zeros(4, 8)}
+    config = {"num_experts": 4, "num_experts_per_tok": 2}
+    experts, gate, row = 4 * 6 * 8 * 4, 4 * 8 * 4, 8 * 4
+    assert moe_step_bytes(config, weights, 1) == gate + row + experts * 0.5
+    # 3 tokens touch 4 * (1 - (1/2) ** 3) = 3.5 experts on average
+    assert moe_step_bytes(config, weights, 3) == gate + 3 * row + experts * 0.875

@@ -45,6 +45,7 @@ class PresetResult:
     build_s: dict = field(default_factory=dict)         # cold / warm -> s
     skipped: dict = field(default_factory=dict)         # system -> reason
     step_bound_ms: float | None = None                  # bytes a decode step reads / copy bw
+    active_bound_ms: dict = field(default_factory=dict)  # MoE: batch -> bound of the experts read
     quant: dict = field(default_factory=dict)           # scheme -> tgraph.bench.quant.QuantResult
 
 
@@ -210,6 +211,24 @@ def measure_build(preset_name: str) -> dict:
     return out
 
 
+def moe_step_bytes(hf_config: dict, weights: dict[str, torch.Tensor], batch: int) -> float:
+    """Bytes a decode step of ``batch`` tokens reads from a MoE model's weights: everything but
+    the experts and the embedding table, the batch's embedding rows, and the experts the batch
+    is expected to touch under uniform routing, ``E * (1 - (1 - k / E) ** batch)`` of ``E``."""
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
+    k = hf_config["num_experts_per_tok"]
+    expert_bytes = other = 0
+    for name, w in weights.items():
+        nbytes = w.numel() * w.element_size()
+        if ".experts." in name:
+            expert_bytes += nbytes
+        elif name.endswith("embed_tokens.weight") and not hf_config.get("tie_word_embeddings"):
+            other += batch * w.shape[1] * w.element_size()
+        else:
+            other += nbytes
+    return other + expert_bytes * (1 - (1 - k / experts) ** batch)
+
+
 def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings,
                quant: list[str] | None = None) -> PresetResult:
     """One preset: every tgraph system and peer, or with ``quant`` the bf16 static model and
@@ -220,6 +239,9 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings,
     result = PresetResult(name, nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3)
     systems = (("tgraph static", "static", True), ("tgraph no graphs", "static", False),
                ("tgraph eager", "eager", False))
+    if any(".experts." in n for n in weights):
+        result.active_bound_ms = {b: moe_step_bytes(hf_config, weights, b)
+                                  / (ceil.copy_gbps * 1e9) * 1e3 for b in batches}
     if quant:
         from tgraph.bench.quant import bench_quantized, step_read_bytes
 
@@ -276,6 +298,11 @@ def print_table(results: list[PresetResult]) -> None:
                   f"{'-' if replay is None else f'{replay:.3f}':>9}")
         if r.prefill_ms:
             print("  prefill: " + ", ".join(f"{k} {v:.2f} ms" for k, v in r.prefill_ms.items()))
+        if r.active_bound_ms:
+            ours = r.decode_ms.get("tgraph static", {})
+            print("  MoE bound of the experts a step reads: " + ", ".join(
+                f"b{b} {v:.3f} ms" + (f" ({ours[b] / v:.2f}x)" if ours.get(b) else "")
+                for b, v in r.active_bound_ms.items()))
         if r.quant:
             from tgraph.bench.quant import print_quant_table
 

@@ -20,9 +20,9 @@ __all__ = ["load_backends", "select_kernel"]
 @functools.cache
 def load_backends() -> None:
     """Register every backend's kernels (once per process)."""
-    from tgraph.kernels.triton_backend import collective, core, lora, sdpa
+    from tgraph.kernels.triton_backend import collective, core, lora, moe, sdpa
 
-    for module in (core, lora, collective, sdpa):
+    for module in (core, lora, collective, sdpa, moe):
         for spec in module.KERNELS:
             register_kernel(spec.op, "triton", spec.fn, supports=spec.supports, tuned=spec.tuned,
                             name=spec.name)

@@ -99,12 +99,15 @@ class MoeExperts(Module):
         if loader.has(f"{prefix}.gate_up_proj"):  # transformers 5's in-memory layout, stacked
             loader.expect_shape(f"{prefix}.gate_up_proj", (num_experts, 2 * inter, hidden))
             loader.expect_shape(f"{prefix}.down_proj", (num_experts, hidden, inter))
-            cut = slice(rank * part, (rank + 1) * part)
-            gate_up = loader.get_tensor(f"{prefix}.gate_up_proj").view(num_experts, 2, inter,
-                                                                       hidden)
-            self.w13 = Parameter(gate_up[:, :, cut].reshape(num_experts, 2 * part,
-                                                            hidden).contiguous())
-            self.w2 = Parameter(loader.get_tensor(f"{prefix}.down_proj")[:, :, cut].contiguous())
+            gate_up = loader.get_tensor(f"{prefix}.gate_up_proj")
+            down = loader.get_tensor(f"{prefix}.down_proj")
+            if ws > 1:  # this rank's rows of every expert's gate and up, columns of its down
+                cut = slice(rank * part, (rank + 1) * part)
+                gate_up = gate_up.view(num_experts, 2, inter, hidden)[:, :, cut].reshape(
+                    num_experts, 2 * part, hidden)
+                down = down[:, :, cut]
+            self.w13 = Parameter(gate_up.contiguous())  # no copy when already whole
+            self.w2 = Parameter(down.contiguous())
             self.num_experts, self.world_size = num_experts, ws
             return
         gate_name, up_name, down_name = names
