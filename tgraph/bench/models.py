@@ -44,6 +44,7 @@ class PresetResult:
     prefill_ms: dict = field(default_factory=dict)      # "1x2048" -> ms
     build_s: dict = field(default_factory=dict)         # cold / warm -> s
     skipped: dict = field(default_factory=dict)         # system -> reason
+    copy_gbps: float = 0.0                              # the run's copy bandwidth
     step_bound_ms: float | None = None                  # bytes a decode step reads / copy bw
     active_bound_ms: dict = field(default_factory=dict)  # MoE: batch -> bound of the experts read
     quant: dict = field(default_factory=dict)           # scheme -> tgraph.bench.quant.QuantResult
@@ -236,7 +237,8 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings,
     hf_config = preset(name)
     weights = random_weights(hf_config, torch.bfloat16, "cuda")
     nbytes = sum(w.numel() * w.element_size() for w in weights.values())
-    result = PresetResult(name, nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3)
+    result = PresetResult(name, nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3,
+                          copy_gbps=ceil.copy_gbps)
     systems = (("tgraph static", "static", True), ("tgraph no graphs", "static", False),
                ("tgraph eager", "eager", False))
     if any(".experts." in n for n in weights):
@@ -307,8 +309,7 @@ def print_table(results: list[PresetResult]) -> None:
             from tgraph.bench.quant import print_quant_table
 
             print_quant_table(r.preset, r.decode_ms.get("tgraph static", {}), r.prefill_ms,
-                              r.step_bound_ms, r.quant, r.bound_ms and r.weight_bytes / r.bound_ms
-                              / 1e6)
+                              r.step_bound_ms, r.quant, r.copy_gbps)
         print(f"  build: {r.build_s}")
         for k, v in r.skipped.items():
             print(f"  skipped {k}: {v}")

@@ -25,7 +25,7 @@ from tgraph.nn.module import Module, Parameter
 from tgraph.nn.tensor import Tensor
 from tgraph.quant import dense
 
-__all__ = ["MoeConfig", "MoeExperts", "SparseMoeBlock"]
+__all__ = ["MoeConfig", "MoeExperts", "SparseMoeBlock", "sparse_or_dense_mlp"]
 
 # Per-expert checkpoint names of the gate, up and down projections, by family.
 HF_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -168,3 +168,14 @@ class SparseMoeBlock(Module):
         if self.has_shared_expert:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def sparse_or_dense_mlp(config: ModelConfig, loader: WeightLoader, prefix: str, layer_idx: int,
+                        shared: bool = False) -> Module:
+    """Layer ``layer_idx``'s MLP in a Qwen-MoE family: the sparse block where
+    ``decoder_sparse_step`` / ``mlp_only_layers`` make it sparse, else the dense MLP
+    (``shared``: the sparse block has Qwen2-MoE's gated shared expert)."""
+    moe = MoeConfig(config, shared=shared)
+    if moe.is_sparse(layer_idx):
+        return SparseMoeBlock(config, loader, prefix, moe)
+    return Mlp(config, loader, prefix, bias=config.mlp_bias)

@@ -18,8 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from tgraph.kernels.triton.checks import FLOAT_DTYPES, check_device, check_tensor
+from tgraph.kernels.triton.checks import check_device, check_tensor
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
+from tgraph.kernels.triton.quant_linear import check_quantized_linear
 from tgraph.quant import QuantizedWeight
 from tgraph.tuning import QuantGemmTuning
 
@@ -230,23 +231,8 @@ def fp8_linear(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor,
         raise ValueError(f"{op}: needs an fp8 weight in stored column order with column blocks "
                          f"of a multiple of 16, fp16/bf16 x and e4m3 tensor cores; got "
                          f"{weight!r} for {x.dtype} x on {x.device}")
-    check_tensor(op, "x", x, 2, (torch.float16, torch.bfloat16))
-    check_tensor(op, "out", out, 2)
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"{op}: x is [{m}, {k}] but the weight is {list(weight.shape)}")
-    if tuple(out.shape) != (m, n) or out.dtype != x.dtype:
-        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}], got {out.dtype} "
-                         f"{list(out.shape)}")
-    tensors = {"x": x, "out": out, "weight": weight.qdata}
-    for name, t, shape in (("bias", bias, (n,)), ("residual", residual, (m, n))):
-        if t is not None:
-            check_tensor(op, name, t, len(shape), FLOAT_DTYPES)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{op}: {name} must be {list(shape)}, got {list(t.shape)}")
-            tensors[name] = t
-    check_device(op, tensors)
+    m, n, k = check_quantized_linear(op, x, weight, out, bias, residual,
+                                     (torch.float16, torch.bfloat16))
     if m == 0 or n == 0:
         return out
     rows, cols = weight.scheme.block

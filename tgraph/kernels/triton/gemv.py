@@ -400,7 +400,7 @@ def _quant_args(weight: QuantizedWeight, x: torch.Tensor,
     block_k = common["BLOCK_K"]
     common.update(
         QKIND=KIND_IDS[scheme.kind], QOFFSETS=scheme.offsets, QBASE_BITS=bits,
-        QZERO=code_zero(scheme.kind, scheme.offsets, base), NATIVE_FP8=on_gpu,
+        QZERO=code_zero(scheme.kind, scheme.offsets, base), ON_GPU=on_gpu,
         # One block spanning the dim: the same constexpr for every shape (fewer compiles).
         QROWS=rows if rows < n else 1 << 30, QCOLS=cols if cols < k else 1 << 30,
         QNG=block_k // cols if one_row and cols < k and block_k > cols else 1,

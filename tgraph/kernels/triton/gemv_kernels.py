@@ -72,7 +72,7 @@ def small_m_linear_kernel(
     FIXUP: tl.constexpr = False, W_DESC: tl.constexpr = False,
     QKIND: tl.constexpr = -1, QROWS: tl.constexpr = 1, QCOLS: tl.constexpr = 1,
     QOFFSETS: tl.constexpr = False, QZERO: tl.constexpr = 0.0, QBASE_BITS: tl.constexpr = 0,
-    NATIVE_FP8: tl.constexpr = False, QDTYPE: tl.constexpr = tl.float32, QNG: tl.constexpr = 1,
+    ON_GPU: tl.constexpr = False, QDTYPE: tl.constexpr = tl.float32, QNG: tl.constexpr = 1,
 ):
     """Output columns ``[pid_n * BLOCK_N, +BLOCK_N)`` of ``BLOCK_M`` rows over one K split.
 
@@ -88,9 +88,10 @@ def small_m_linear_kernel(
     int4 codes of one row are read as int32 words)
     with fp32 scales at ``qs_ptr`` (and offsets at ``qb_ptr``), ``stride_qs`` per scale row, one
     scale block per ``(QROWS, QCOLS)`` weights; every K tile lies in one block (the launch sees
-    to it), except that a one-row (``BLOCK_M == 1``) tile spans ``QNG`` whole blocks. Tensor
-    cores multiply the codes (``QDTYPE``) and fold the scales once per tile; one row runs the
-    dequantized tile on CUDA cores (:mod:`tgraph.kernels.triton.quant_tiles`).
+    to it), except that a one-row (``BLOCK_M == 1``) tile spans ``QNG`` whole blocks.
+    Tensor cores multiply the codes (``QDTYPE``) and fold the scales once per tile; one row runs the
+    dequantized tile on CUDA cores (:mod:`tgraph.kernels.triton.quant_tiles`). ``ON_GPU`` (not
+    the interpreter): fp8 codes convert in hardware and int4 words unpack by PTX.
     ``FIXUP`` (with ``WRITE_PARTIAL``): the split that finishes last for its output tile sums the
     tile's partials (and, with ``NORM``, the splits' sums of squares) and writes ``out`` (see
     :func:`_fixup_tile`).
@@ -138,7 +139,7 @@ def small_m_linear_kernel(
             acc, acc_u, sq = int4_row_step(
                 acc, acc_u, sq, words, words_u, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0,
                 k_end, stride_qs, x_rows, g_ptr, BLOCK_N, BLOCK_K, GATED, NORM, HAS_G,
-                QROWS, QCOLS, QNG, QOFFSETS, QZERO, NATIVE_FP8)
+                QROWS, QCOLS, QNG, QOFFSETS, QZERO, ON_GPU)
             if GATED:
                 next_words, next_u = load_words(w_rows, u_rows, k0 + BLOCK_K, k_end, mask_n,
                                                  BLOCK_K, GATED)
@@ -147,7 +148,7 @@ def small_m_linear_kernel(
         v, v_u, s, b, s_u, b_u, offs_k, mask_k = load_q_tile(
             w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k_start, k_end, stride_qs,
             BLOCK_M, BLOCK_N, BLOCK_K, GATED, QKIND, QROWS, QCOLS, QNG, QOFFSETS, QBASE_BITS,
-            NATIVE_FP8, QDTYPE)
+            ON_GPU, QDTYPE)
         pdl_wait(PDL)
         acc, acc_u, sq = k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr, offs_k,
                                    mask_m, mask_k, BLOCK_M, NORM, HAS_G, GATED, F32_DOT, SWAP_AB,
@@ -156,7 +157,7 @@ def small_m_linear_kernel(
             v, v_u, s, b, s_u, b_u, offs_k, mask_k = load_q_tile(
                 w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0, k_end, stride_qs,
                 BLOCK_M, BLOCK_N, BLOCK_K, GATED, QKIND, QROWS, QCOLS, QNG, QOFFSETS, QBASE_BITS,
-                NATIVE_FP8, QDTYPE)
+                ON_GPU, QDTYPE)
             acc, acc_u, sq = k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr,
                                        offs_k, mask_m, mask_k, BLOCK_M, NORM, HAS_G, GATED,
                                        F32_DOT, SWAP_AB, QZERO, QOFFSETS, BLOCK_N, BLOCK_K, QNG)

@@ -39,9 +39,37 @@ from tgraph.kernels.triton.quant_tiles import (
 from tgraph.quant import QuantizedWeight
 from tgraph.tuning import QuantGemmTuning
 
-__all__ = ["dequantize_into", "quant_linear"]
+__all__ = ["check_quantized_linear", "dequantize_into", "quant_linear"]
 
 _DEFAULT_TUNING = QuantGemmTuning()
+
+def check_quantized_linear(op: str, x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor,
+                           bias: torch.Tensor | None, residual: torch.Tensor | None,
+                           x_dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+                           ) -> tuple[int, int, int]:
+    """The checks of ``out = x @ weight.T (+ bias) (+ residual)`` on a quantized weight;
+    returns ``(M, N, K)``."""
+    if not isinstance(weight, QuantizedWeight):
+        raise TypeError(f"{op}: weight must be a QuantizedWeight, got {type(weight).__name__}")
+    check_tensor(op, "x", x, 2, x_dtypes)
+    check_tensor(op, "out", out, 2)
+    m, k = x.shape
+    n = weight.shape[0]
+    if weight.shape[1] != k:
+        raise ValueError(f"{op}: x is [{m}, {k}] but the weight is {list(weight.shape)}")
+    if tuple(out.shape) != (m, n) or out.dtype != x.dtype:
+        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}], got {out.dtype} "
+                         f"{list(out.shape)}")
+    tensors = {"x": x, "out": out, "weight": weight.qdata}
+    for name, t, shape in (("bias", bias, (n,)), ("residual", residual, (m, n))):
+        if t is not None:
+            check_tensor(op, name, t, len(shape), FLOAT_DTYPES)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{op}: {name} must be {list(shape)}, got {list(t.shape)}")
+            tensors[name] = t
+    check_device(op, tensors)
+    return m, n, k
+
 
 @triton.jit
 def _quant_linear_kernel(
@@ -191,26 +219,7 @@ def quant_linear(x: torch.Tensor, weight: QuantizedWeight, out: torch.Tensor,
     Returns:
         ``out``.
     """
-    op = "quant_linear"
-    if not isinstance(weight, QuantizedWeight):
-        raise TypeError(f"{op}: weight must be a QuantizedWeight, got {type(weight).__name__}")
-    check_tensor(op, "x", x, 2)
-    check_tensor(op, "out", out, 2)
-    m, k = x.shape
-    n = weight.shape[0]
-    if weight.shape[1] != k:
-        raise ValueError(f"{op}: x is [{m}, {k}] but the weight is {list(weight.shape)}")
-    if tuple(out.shape) != (m, n) or out.dtype != x.dtype:
-        raise ValueError(f"{op}: out must be {x.dtype} [{m}, {n}], got {out.dtype} "
-                         f"{list(out.shape)}")
-    tensors = {"x": x, "out": out, "weight": weight.qdata}
-    for name, t, shape in (("bias", bias, (n,)), ("residual", residual, (m, n))):
-        if t is not None:
-            check_tensor(op, name, t, len(shape), FLOAT_DTYPES)
-            if tuple(t.shape) != shape:
-                raise ValueError(f"{op}: {name} must be {list(shape)}, got {list(t.shape)}")
-            tensors[name] = t
-    check_device(op, tensors)
+    m, n, k = check_quantized_linear("quant_linear", x, weight, out, bias, residual)
     if m == 0 or n == 0:
         return out
     if x.is_cuda and not envs.TRITON_INTERPRET and m >= tuning.dense_min_m \

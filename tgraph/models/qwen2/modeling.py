@@ -11,8 +11,9 @@ from tgraph.models.registry import register_model
 
 class Qwen2Layer(BaseLayer):
     def make_attention(self, config, loader, prefix, layer_idx):
-        return Attention(config, loader, prefix, layer_idx, qkv_bias=True, o_bias=False,
-                         sliding_window=config.sliding_window)
+        # attention_bias: always on for Qwen2's config, qkv_bias for Qwen2-MoE's (builders).
+        return Attention(config, loader, prefix, layer_idx, qkv_bias=config.attention_bias,
+                         o_bias=False, sliding_window=config.sliding_window)
 
 
 class Qwen2Model(BaseModel):

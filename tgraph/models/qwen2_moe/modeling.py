@@ -3,9 +3,7 @@ scaled by a sigmoid gate to the routed experts (softmax top-k, renormalised with
 ``norm_topk_prob``)."""
 from __future__ import annotations
 
-from tgraph.layers.attention import Attention
-from tgraph.layers.mlp import Mlp
-from tgraph.layers.moe import MoeConfig, SparseMoeBlock
+from tgraph.layers.moe import sparse_or_dense_mlp
 from tgraph.models.base.decoder import BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
@@ -14,15 +12,8 @@ from tgraph.models.registry import register_model
 
 
 class Qwen2MoeLayer(Qwen2Layer):
-    def make_attention(self, config, loader, prefix, layer_idx):
-        return Attention(config, loader, prefix, layer_idx, qkv_bias=config.attention_bias,
-                         o_bias=False, sliding_window=config.sliding_window)
-
     def make_mlp(self, config, loader, prefix):
-        moe = MoeConfig(config, shared=True)
-        if moe.is_sparse(self.layer_idx):
-            return SparseMoeBlock(config, loader, prefix, moe)
-        return Mlp(config, loader, prefix, bias=config.mlp_bias)
+        return sparse_or_dense_mlp(config, loader, prefix, self.layer_idx, shared=True)
 
 
 class Qwen2MoeModel(BaseModel):

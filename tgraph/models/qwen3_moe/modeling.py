@@ -2,8 +2,7 @@
 with ``norm_topk_prob``), dense on ``mlp_only_layers`` and off the ``decoder_sparse_step``."""
 from __future__ import annotations
 
-from tgraph.layers.mlp import Mlp
-from tgraph.layers.moe import MoeConfig, SparseMoeBlock
+from tgraph.layers.moe import sparse_or_dense_mlp
 from tgraph.models.base.decoder import BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
@@ -13,10 +12,7 @@ from tgraph.models.registry import register_model
 
 class Qwen3MoeLayer(Qwen3Layer):
     def make_mlp(self, config, loader, prefix):
-        moe = MoeConfig(config)
-        if moe.is_sparse(self.layer_idx):
-            return SparseMoeBlock(config, loader, prefix, moe)
-        return Mlp(config, loader, prefix, bias=config.mlp_bias)
+        return sparse_or_dense_mlp(config, loader, prefix, self.layer_idx)
 
 
 class Qwen3MoeModel(BaseModel):
