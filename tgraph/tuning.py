@@ -222,10 +222,17 @@ class QuantGemmTuning(_Section):
 class MoeTuning(_Section):
     """Routed experts (``tgraph.kernels.triton.moe``)."""
 
-    decode_max_tokens: int = knob(64, "up to this many tokens each reads only its experts' "
-                                      "weights (decode kernels); more run the reference")
+    decode_max_tokens: int = knob(8, "up to this many tokens each reads only its experts' "
+                                      "weights (decode kernels); more run the grouped GEMM")
+    split_max_tokens: int = knob(8, "up to this many tokens the decode down projection runs "
+                                    "a program per (token, expert), then a combine")
     block_n: int = knob(16, "decode kernels: weight rows per program")
     block_k: int = knob(256, "decode kernels: K per step")
+    grouped_block_m: int = knob(64, "grouped GEMM: the largest block of (token, expert) pairs")
+    grouped_block_n: int = knob(64, "grouped GEMM: output columns per program")
+    grouped_block_k: int = knob(64, "grouped GEMM: K per step")
+    grouped_num_warps: int = knob(4, "grouped GEMM: warps per program")
+    grouped_num_stages: int = knob(3, "grouped GEMM: software pipeline stages")
 
 
 @dataclass(frozen=True)

@@ -55,13 +55,13 @@ def test_the_table_shows_each_scheme_against_bf16(capsys):
 
 
 def test_a_moe_step_reads_the_experts_its_tokens_touch():
-    from tgraph.bench.models import moe_step_bytes
+    from tgraph.bench.moe import dense_sizes, moe_step_bytes
 
     weights = {"model.embed_tokens.weight": torch.zeros(10, 8),
                "model.layers.0.mlp.experts.gate_up_proj": torch.zeros(4, 6, 8),
                "model.layers.0.mlp.gate.weight": torch.zeros(4, 8)}
     config = {"num_experts": 4, "num_experts_per_tok": 2}
     experts, gate, row = 4 * 6 * 8 * 4, 4 * 8 * 4, 8 * 4
-    assert moe_step_bytes(config, weights, 1) == gate + row + experts * 0.5
+    assert moe_step_bytes(config, dense_sizes(weights), 1) == gate + row + experts * 0.5
     # 3 tokens touch 4 * (1 - (1/2) ** 3) = 3.5 experts on average
-    assert moe_step_bytes(config, weights, 3) == gate + 3 * row + experts * 0.875
+    assert moe_step_bytes(config, dense_sizes(weights), 3) == gate + 3 * row + experts * 0.875

@@ -1,18 +1,25 @@
-"""The routed-experts decode kernels against the ``moe`` op's reference (under the interpreter
-on CPU; a Qwen3-30B-A3B-shaped layer in a CUDA graph on a GPU).
+"""The routed-experts kernels against the ``moe`` op's reference: routing, sorting by expert,
+the decode kernels (with and without the split down projection) and the grouped GEMM, on dense
+and packed quantized experts (under the interpreter on CPU; Qwen3-30B-A3B-shaped layers in CUDA
+graphs on a GPU).
 
 Tolerances: fp32 differs by summation order only (experts summed in routing order, not expert
-order; 1e-5 relative). bf16: the kernels keep the gate|up products in fp32 up to the SwiGLU and
-round once, the reference rounds the products to bf16 first; each output may differ by a few
-bf16 ulps of the expert outputs' size, bounded by ``2**-6 * max|out|`` per row.
+order; 1e-5 of the output's scale, tf32 is never used for fp32). bf16: the kernels keep the
+gate|up products in fp32 up to the SwiGLU and round once, the reference rounds the products to
+bf16 first; each output may differ by a few bf16 ulps of the expert outputs' size, bounded by
+``2**-6 * max|out|``. Quantized experts are dequantized to the activations' dtype by both sides
+(the reference per expert, the kernels per tile), so the same bounds hold.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tgraph.ir.ops.moe import moe_reference
+from tgraph.ir.ops.moe import moe_reference, route
 from tgraph.kernels.triton.moe import moe_decode
+from tgraph.kernels.triton.moe_grouped import grouped_block_m, moe_grouped
+from tgraph.kernels.triton.moe_routing import route_topk, sort_by_expert
+from tgraph.quant import quantize
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -26,17 +33,98 @@ def _case(t, h, inter, e, dtype, seed=0):
     return [v.to(DEV, dtype) for v in (x, logits, w13, w2)]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("t, top_k, renormalize", [(1, 2, True), (5, 3, False), (9, 1, True)])
-def test_matches_the_reference(dtype, t, top_k, renormalize):
-    x, logits, w13, w2 = _case(t, 96, 40, 6, dtype)
-    out = torch.full((t, 96), float("nan"), device=DEV, dtype=dtype)
-    moe_decode(x, logits, w13, w2, out, top_k, renormalize, block_n=16, block_k=32)
-    want = moe_reference(x.float(), logits, w13.float(), w2.float(), top_k=top_k,
-                         renormalize=renormalize)
+def _check(out, x, logits, w13, w2, top_k, renormalize, dtype):
+    want = moe_reference(x.float(), logits, w13, w2, top_k=top_k, renormalize=renormalize)
     scale = float(want.abs().max())
     tol = 1e-5 * scale if dtype == torch.float32 else 2 ** -6 * scale
     torch.testing.assert_close(out.float(), want, rtol=0, atol=tol)
+
+
+def _flat_quantized(w13, w2, scheme):
+    e, two_i, h = w13.shape
+    return (quantize(w13.reshape(e * two_i, h).float(), name="w13", **scheme).to(w13.dtype),
+            quantize(w2.reshape(e * h, -1).float(), name="w2", **scheme).to(w2.dtype))
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_routing_matches_the_reference(renormalize):
+    _, logits, *_ = _case(37, 8, 8, 10, torch.float32)
+    weights, ids = route_topk(logits, 3, renormalize)
+    want_w, want_ids = route(logits, 3, renormalize)
+    assert torch.equal(ids.long(), want_ids)
+    torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("t, top_k, experts, block_m", [(1, 2, 6, 16), (37, 3, 10, 16),
+                                                        (70, 4, 5, 32), (3, 8, 16, 16)])
+def test_sorting_groups_every_pair_once_in_blocks_of_one_expert(t, top_k, experts, block_m):
+    _, logits, *_ = _case(t, 8, 8, experts, torch.float32, seed=t)
+    _, ids = route_topk(logits, top_k, True)
+    blocks = sort_by_expert(ids, experts, block_m)
+    flat = ids.reshape(-1).cpu()
+    order, expert = blocks.order.cpu().long(), blocks.expert.cpu()
+    pos, end = blocks.pos.cpu(), blocks.end.cpu()
+    assert sorted(order.tolist()) == list(range(t * top_k))
+    assert torch.equal(flat[order], torch.sort(flat).values)  # grouped by expert
+    covered = []
+    for b in range(blocks.num_blocks):
+        if expert[b] == experts:
+            continue
+        places = range(int(pos[b]), min(int(pos[b]) + block_m, int(end[b])))
+        assert len(places) > 0
+        assert all(flat[order[p]] == expert[b] for p in places)
+        covered += places
+    assert sorted(covered) == list(range(t * top_k))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, top_k, renormalize, split", [(1, 2, True, True), (5, 3, False, False),
+                                                          (9, 1, True, True)])
+def test_decode_matches_the_reference(dtype, t, top_k, renormalize, split):
+    x, logits, w13, w2 = _case(t, 96, 40, 6, dtype)
+    out = torch.full((t, 96), float("nan"), device=DEV, dtype=dtype)
+    moe_decode(x, logits, w13, w2, out, top_k, renormalize, block_n=16, block_k=32, split=split)
+    _check(out, x, logits, w13.float(), w2.float(), top_k, renormalize, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, top_k, renormalize", [(1, 2, True), (23, 3, False), (40, 2, True)])
+def test_grouped_matches_the_reference(dtype, t, top_k, renormalize):
+    x, logits, w13, w2 = _case(t, 64, 48, 6, dtype, seed=t)
+    out = torch.full((t, 64), float("nan"), device=DEV, dtype=dtype)
+    moe_grouped(x, logits, w13, w2, out, top_k, renormalize, block_m=32, block_n=32,
+                block_k=32)
+    _check(out, x, logits, w13.float(), w2.float(), top_k, renormalize, dtype)
+
+
+QUANT_SCHEMES = {
+    "int4-g32": dict(kind="int4", group_size=32),
+    "int4-g32-offsets": dict(kind="int4", group_size=32, offsets=True),
+    "int8-channel": dict(kind="int8"),
+    "fp8-channel": dict(kind="fp8"),
+}
+
+
+@pytest.mark.parametrize("scheme", QUANT_SCHEMES)
+@pytest.mark.parametrize("path", ["decode", "decode-split", "grouped"])
+def test_packed_quantized_experts(scheme, path):
+    dtype = torch.float32
+    x, logits, w13, w2 = _case(6, 64, 32, 4, dtype, seed=3)
+    qw13, qw2 = _flat_quantized(w13, w2, QUANT_SCHEMES[scheme])
+    out = torch.full((6, 64), float("nan"), device=DEV, dtype=dtype)
+    if path == "grouped":
+        moe_grouped(x, logits, qw13, qw2, out, 2, True, block_m=16, block_n=32, block_k=64)
+    else:
+        moe_decode(x, logits, qw13, qw2, out, 2, True, block_n=16, block_k=64,
+                   split=path == "decode-split")
+    _check(out, x, logits, qw13, qw2, 2, True, dtype)
+
+
+def test_block_m_follows_the_pairs_per_expert():
+    assert grouped_block_m(8, 128, 64) == 16
+    assert grouped_block_m(16384, 128, 64) == 64
+    assert grouped_block_m(16384, 128, 32) == 32
+    assert grouped_block_m(40 * 8, 8, 64) == 64
 
 
 def test_bad_input_is_refused():
@@ -45,19 +133,31 @@ def test_bad_input_is_refused():
     with pytest.raises(ValueError, match="top_k must be between 1 and the 4 experts"):
         moe_decode(x, logits, w13, w2, out, 5, True)
     with pytest.raises(ValueError, match=r"expected x \[T, H\]"):
-        moe_decode(x, logits[:, :3], w13, w2, out, 2, True)
+        moe_grouped(x, logits[:, :3], w13, w2, out, 2, True)
+    qw13, qw2 = _flat_quantized(w13, w2, QUANT_SCHEMES["int8-channel"])
+    with pytest.raises(ValueError, match="both quantized"):
+        moe_decode(x, logits, qw13, w2, out, 2, True)
 
 
 @pytest.mark.gpu
-def test_gpu_qwen3_30b_layer_in_a_cuda_graph():
+@pytest.mark.parametrize("t", [1, 4, 64, 512])
+@pytest.mark.parametrize("scheme", [None, "fp8-channel", "int4-g128"])
+def test_gpu_qwen3_30b_layer_in_a_cuda_graph(t, scheme):
     from tests.helpers import capture_cuda_graph
 
-    x, logits, w13, w2 = _case(4, 2048, 768, 128, torch.bfloat16)
-    out = torch.empty(4, 2048, device="cuda", dtype=torch.bfloat16)
-    graph = capture_cuda_graph(lambda: moe_decode(x, logits, w13, w2, out, 8, True))
+    x, logits, w13, w2 = _case(t, 2048, 768, 128, torch.bfloat16)
+    if scheme == "int4-g128":
+        w13, w2 = _flat_quantized(w13, w2, dict(kind="int4", group_size=128))
+    elif scheme is not None:
+        w13, w2 = _flat_quantized(w13, w2, QUANT_SCHEMES[scheme])
+    out = torch.empty(t, 2048, device="cuda", dtype=torch.bfloat16)
+    if t <= 64:
+        run = lambda: moe_decode(x, logits, w13, w2, out, 8, True, split=t <= 4)  # noqa: E731
+    else:
+        run = lambda: moe_grouped(x, logits, w13, w2, out, 8, True)  # noqa: E731
+    graph = capture_cuda_graph(run)
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    want = moe_reference(x.float(), logits, w13.float(), w2.float(), top_k=8, renormalize=True)
-    torch.testing.assert_close(out.float(), want, rtol=0,
-                               atol=2 ** -6 * float(want.abs().max()))
+    _check(out, x, logits, w13 if scheme else w13.float(), w2 if scheme else w2.float(), 8,
+           True, torch.bfloat16)

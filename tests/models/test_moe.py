@@ -144,20 +144,24 @@ def test_transformers_in_memory_state_dicts_load_too(family, overrides):
     assert [g[:4] for g in got] == hf_greedy(hf, prompts, 4)
 
 
-def test_quantized_experts_are_dequantized_at_load(moe_dir):
-    """Experts held as int8 codes in the checkpoint load as their dequantized values: the model
-    decodes exactly as one built from the dequantized tensors."""
+@pytest.mark.parametrize("packed", [True, False])
+def test_quantized_experts_stay_packed_and_decode_as_their_values(moe_dir, packed):
+    """Experts held as int8 codes stay packed (flat ``[E * 2I, H]`` quantized weights) and the
+    model decodes exactly as one built from the dequantized tensors; with one expert dense the
+    block cannot stay packed and is dequantized at load, with the same logits."""
     from safetensors.torch import load_file
 
     from tgraph.io.model_config import ModelConfig
     from tgraph.io.weights import DictWeightLoader
     from tgraph.models.loading import build_model
-    from tgraph.quant import quantize
+    from tgraph.quant import is_quantized, quantize
 
     weights = load_file(str(moe_dir / "model.safetensors"))
     config = ModelConfig.from_dir(moe_dir)
     quantized = {n: quantize(w, "int8", 16, name=n) for n, w in weights.items()
                  if ".mlp.experts." in n}
+    if not packed:
+        quantized.pop(next(n for n in quantized if ".experts.0.up_proj" in n))
     dense = {n: quantized[n].dequantize() if n in quantized else w for n, w in weights.items()}
     q_loader = DictWeightLoader({n: w for n, w in weights.items() if n not in quantized})
     for name, q in quantized.items():
@@ -168,6 +172,10 @@ def test_quantized_experts_are_dequantized_at_load(moe_dir):
         model = build_model(config, loader, max_model_len=32, block_size=4)
         model.allocate_kv_cache(24)
         runs.append(run_greedy(model, prompts, 3))
+        if loader is q_loader:
+            experts = model.model.layers[0].mlp.experts
+            assert is_quantized(experts.w13.data) == packed
+            assert ("int8" in repr(experts)) == packed
     for a, b in zip(runs[0].prefill_logits + runs[0].step_logits,
                     runs[1].prefill_logits + runs[1].step_logits):
         assert torch.equal(a, b)

@@ -29,6 +29,9 @@ def main(argv=None) -> int:
                         help="models: the quantized models (int4 g128, int8 and fp8 per channel; "
                              "fp8-a8: fp8 with e4m3 activations in prefill) next to bf16 in the "
                              "same run")
+    parser.add_argument("--cpu-experts", action="store_true",
+                        help="models: MoE presets run tgraph static against the same model with "
+                             "half the layers' experts on the CPU (no peers)")
     parser.add_argument("--profile", action="store_true",
                         help="lora: also print each system's kernels by time (torch profiler) and "
                              "its step kernel by kernel (tgraph.bench.timeline)")
@@ -62,7 +65,7 @@ def main(argv=None) -> int:
             quant = ["int4", "int8", "fp8", "fp8-a8"] if "all" in args.quant or not args.quant \
                 else list(dict.fromkeys(args.quant))
         run_model_bench(args.presets, args.batches or [1, 16, 64], args.peers, args.json,
-                        args.png, quant)
+                        args.png, quant, cpu_experts=args.cpu_experts)
     if args.what == "serve":
         from tgraph.bench.serve import run_serve_bench
 

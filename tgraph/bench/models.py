@@ -94,10 +94,16 @@ def captured_decode(model, batch: int) -> BatchMeta:
     return meta
 
 
+def bench_token(i: int) -> int:
+    """The ``i``-th token of a bench batch: distinct tokens, so a MoE router spreads them over
+    its experts as real text does (one repeated token would route every row alike)."""
+    return 1 + (i * 7919) % 31999  # below every preset's vocabulary size
+
+
 def decode_batch(b: int, ctx: int, block_size: int) -> BatchMeta:
     per = -(-(ctx + 1) // block_size)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
-    return BatchMeta(input_ids=[1] * b, position_ids=[ctx - 1] * b,
+    return BatchMeta(input_ids=[bench_token(i) for i in range(b)], position_ids=[ctx - 1] * b,
                      slots_mapping=[t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
                             for t in tables],
                      query_lens=[1] * b, seq_len=[ctx] * b, block_table=tables, is_prefill=False)
@@ -108,8 +114,8 @@ def prefill_batch(n: int, length: int, block_size: int) -> BatchMeta:
     per = -(-length // block_size)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(n)]
     ids, pos, slots = [], [], []
-    for t in tables:
-        ids += [1] * length
+    for i, t in enumerate(tables):
+        ids += [bench_token(i * length + p) for p in range(length)]
         pos += list(range(length))
         slots += [t[p // block_size] * block_size + p % block_size for p in range(length)]
     return BatchMeta(ids, pos, slots, [length] * n, [length] * n, tables, is_prefill=True)
@@ -167,7 +173,7 @@ def bench_hf(hf_config: dict, weights: dict, batches: list[int], result: PresetR
             if not compile_:
                 out = hf(input_ids=prompt, use_cache=True)
                 cache = out.past_key_values
-                tok = torch.ones(b, 1, dtype=torch.long, device="cuda")
+                tok = torch.tensor([[bench_token(i)] for i in range(b)], device="cuda")
                 result.decode_ms[name][b] = time_ms(
                     lambda: hf(input_ids=tok, past_key_values=cache, use_cache=True),
                     warmup=2, iters=10)
@@ -180,7 +186,7 @@ def bench_hf(hf_config: dict, weights: dict, batches: list[int], result: PresetR
                 pos = torch.arange(CONTEXT - 1, device="cuda")
                 hf(input_ids=prompt, past_key_values=cache, cache_position=pos, use_cache=True)
                 step = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-                tok = torch.ones(b, 1, dtype=torch.long, device="cuda")
+                tok = torch.tensor([[bench_token(i)] for i in range(b)], device="cuda")
                 cpos = torch.tensor([CONTEXT - 1], device="cuda")
                 t0 = time.perf_counter()
                 for _ in range(3):
@@ -212,29 +218,19 @@ def measure_build(preset_name: str) -> dict:
     return out
 
 
-def moe_step_bytes(hf_config: dict, weights: dict[str, torch.Tensor], batch: int) -> float:
-    """Bytes a decode step of ``batch`` tokens reads from a MoE model's weights: everything but
-    the experts and the embedding table, the batch's embedding rows, and the experts the batch
-    is expected to touch under uniform routing, ``E * (1 - (1 - k / E) ** batch)`` of ``E``."""
-    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts")
-    k = hf_config["num_experts_per_tok"]
-    expert_bytes = other = 0
-    for name, w in weights.items():
-        nbytes = w.numel() * w.element_size()
-        if ".experts." in name:
-            expert_bytes += nbytes
-        elif name.endswith("embed_tokens.weight") and not hf_config.get("tie_word_embeddings"):
-            other += batch * w.shape[1] * w.element_size()
-        else:
-            other += nbytes
-    return other + expert_bytes * (1 - (1 - k / experts) ** batch)
-
-
 def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings,
-               quant: list[str] | None = None) -> PresetResult:
+               quant: list[str] | None = None, cpu_experts: bool = False) -> PresetResult:
     """One preset: every tgraph system and peer, or with ``quant`` the bf16 static model and
-    each quantized scheme (no other systems, no build times)."""
+    each quantized scheme (no other systems, no build times). A preset too large for bf16
+    (:data:`tgraph.bench.moe.PRESET_SCHEMES`) runs quantized, tgraph static only;
+    ``cpu_experts``: tgraph static against the model with half the layers' experts on the CPU
+    (a MoE preset; nothing else runs)."""
+    from tgraph.bench.moe import PRESET_SCHEMES, dense_sizes, moe_step_bytes
+
     hf_config = preset(name)
+    if name in PRESET_SCHEMES:
+        return _run_quantized_preset(name, hf_config, PRESET_SCHEMES[name], batches, ceil,
+                                     cpu_experts)
     weights = random_weights(hf_config, torch.bfloat16, "cuda")
     nbytes = sum(w.numel() * w.element_size() for w in weights.values())
     result = PresetResult(name, nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3,
@@ -242,8 +238,10 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings,
     systems = (("tgraph static", "static", True), ("tgraph no graphs", "static", False),
                ("tgraph eager", "eager", False))
     if any(".experts." in n for n in weights):
-        result.active_bound_ms = {b: moe_step_bytes(hf_config, weights, b)
+        result.active_bound_ms = {b: moe_step_bytes(hf_config, dense_sizes(weights), b)
                                   / (ceil.copy_gbps * 1e9) * 1e3 for b in batches}
+    if cpu_experts:  # the all-GPU model against the half-CPU one, nothing else
+        peers, systems = [], systems[:1]
     if quant:
         from tgraph.bench.quant import bench_quantized, step_read_bytes
 
@@ -260,6 +258,9 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings,
         del model
         gc.collect()
         torch.cuda.empty_cache()
+    if cpu_experts and result.active_bound_ms:
+        _bench_cpu_experts(lambda w=weights: random_model(hf_config, w, max_model_len=4096),
+                           hf_config, batches, result)
     for peer, compile_ in (("hf", False), ("compile", True)):
         if peer not in peers:
             continue
@@ -276,8 +277,60 @@ def run_preset(name: str, batches: list[int], peers: list[str], ceil: Ceilings,
     del weights
     gc.collect()
     torch.cuda.empty_cache()
-    if not quant:
+    if not quant and not cpu_experts:
         result.build_s.update(measure_build(name))
+    return result
+
+
+CPU_EXPERTS = "tgraph CPU experts"  # the decode_ms label of the half-experts-on-CPU run
+
+
+def _bench_cpu_experts(make_model, hf_config: dict, batches: list[int],
+                       result: PresetResult) -> None:
+    """Decode with the first half of the layers' experts on the CPU (no CUDA graphs)."""
+    from tgraph.bench.moe import cpu_experts_rules
+    from tgraph.rules import apply_rules
+
+    try:
+        model = make_model()
+        apply_rules(model, cpu_experts_rules(hf_config))
+        gc.collect()
+        torch.cuda.empty_cache()
+        c = model.llm_config
+        model.allocate_kv_cache(max(batches) * (-(-(CONTEXT + 1) // c.block_size)) + 1)
+        timed = {}
+        for b in (b for b in batches if b <= 16):
+            meta = decode_batch(b, CONTEXT, c.block_size)
+            timed[b] = time_ms(lambda m=model, meta=meta: m.run(meta), warmup=2, iters=5)
+        result.decode_ms[CPU_EXPERTS] = timed
+        del model
+    except Exception as err:  # reported, never faked
+        result.skipped[CPU_EXPERTS] = f"{type(err).__name__}: {str(err)[:300]}"
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _run_quantized_preset(name: str, hf_config: dict, kind: str, batches: list[int],
+                          ceil: Ceilings, cpu_experts: bool) -> PresetResult:
+    from tgraph.bench.moe import moe_step_bytes, quantized_moe_model
+
+    model, sizes = quantized_moe_model(hf_config, kind, max_model_len=4096)
+    nbytes = sum(n for n, _ in sizes.values())
+    result = PresetResult(f"{name} {kind}", nbytes, nbytes / (ceil.copy_gbps * 1e9) * 1e3,
+                          copy_gbps=ceil.copy_gbps)
+    result.active_bound_ms = {b: moe_step_bytes(hf_config, sizes, b) / (ceil.copy_gbps * 1e9)
+                              * 1e3 for b in batches}
+    result.skipped["HF eager / compile"] = f"{name} does not fit one GPU in bf16"
+    try:
+        bench_tgraph(model, batches, result, "tgraph static")
+    except Exception as err:
+        result.skipped["tgraph static"] = f"{type(err).__name__}: {str(err)[:300]}"
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    if cpu_experts:
+        _bench_cpu_experts(lambda: quantized_moe_model(hf_config, kind, max_model_len=4096)[0],
+                           hf_config, batches, result)
     return result
 
 
@@ -305,6 +358,9 @@ def print_table(results: list[PresetResult]) -> None:
             print("  MoE bound of the experts a step reads: " + ", ".join(
                 f"b{b} {v:.3f} ms" + (f" ({ours[b] / v:.2f}x)" if ours.get(b) else "")
                 for b, v in r.active_bound_ms.items()))
+        if r.decode_ms.get(CPU_EXPERTS):
+            print("  half the layers' experts on the CPU (no CUDA graphs): " + ", ".join(
+                f"b{b} {ms:.2f} ms" for b, ms in r.decode_ms[CPU_EXPERTS].items()))
         if r.quant:
             from tgraph.bench.quant import print_quant_table
 
@@ -351,7 +407,8 @@ def draw_chart(results: list[PresetResult], path: str) -> None:
 
 def run_model_bench(presets: list[str] | None, batches: list[int], peers: list[str],
                     json_path: str | None, png_path: str | None,
-                    quant: list[str] | None = None) -> list[PresetResult]:
+                    quant: list[str] | None = None,
+                    cpu_experts: bool = False) -> list[PresetResult]:
     """Every preset of ``presets`` (the defaults when None); with ``quant`` (schemes of
     :data:`tgraph.bench.quant.QUANT_SCHEMES`) the quantized models next to the bf16 one."""
     ceil = measure_ceilings()
@@ -362,7 +419,7 @@ def run_model_bench(presets: list[str] | None, batches: list[int], peers: list[s
         if name not in PRESETS:
             print(f"unknown preset {name}; known: {list(PRESETS)}")
             continue
-        results.append(run_preset(name, batches, peers, ceil, quant))
+        results.append(run_preset(name, batches, peers, ceil, quant, cpu_experts))
         print_table(results[-1:])
     print_table(results)
     if json_path:

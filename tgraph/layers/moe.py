@@ -8,14 +8,15 @@ also read); they are stacked at load into ``w13 [experts, 2 * inter, hidden]`` (
 gate rows, then its up rows) and ``w2 [experts, hidden, inter]``, the operands of the ``moe``
 op. Under tensor parallelism
 each expert's intermediate dimension is split over the ranks as the dense MLP's is, and the
-block's partial sums are all-reduced once. Quantized experts (GGUF, GPTQ...) are dequantized at
-load: exact, at a dense weight's memory, until the fused expert kernels take packed codes.
+block's partial sums are all-reduced once. Quantized experts (GGUF, int4/int8 groups, FP8) stay
+packed, stacked flat as ``[E * 2I, H]`` and ``[E * H, I]`` quantized weights the expert kernels
+read as codes; experts that cannot (GPTQ act-order, mixed schemes) are dequantized at load.
 """
 from __future__ import annotations
 
 import torch
 
-from tgraph.errors import ConfigError
+from tgraph.errors import ConfigError, WeightLoadError
 from tgraph.io.model_config import ModelConfig
 from tgraph.io.weights import WeightLoader
 from tgraph.layers.linear import ReplicatedLinear, divide
@@ -23,7 +24,7 @@ from tgraph.layers.mlp import Mlp
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
 from tgraph.nn.tensor import Tensor
-from tgraph.quant import dense
+from tgraph.quant import QuantizedWeight, dense, is_quantized
 
 __all__ = ["MoeConfig", "MoeExperts", "SparseMoeBlock", "sparse_or_dense_mlp"]
 
@@ -111,26 +112,33 @@ class MoeExperts(Module):
             self.num_experts, self.world_size = num_experts, ws
             return
         gate_name, up_name, down_name = names
-        w13, w2 = [], []
+        gate_up, down = [], []
         for e in range(num_experts):
             base = f"{prefix}.{e}"
             for name, shape in ((gate_name, (inter, hidden)), (up_name, (inter, hidden)),
                                 (down_name, (hidden, inter))):
                 loader.expect_shape(f"{base}.{name}.weight", shape)
-            gate = dense(loader.get_sharded(f"{base}.{gate_name}.weight", 0, rank, ws))
-            up = dense(loader.get_sharded(f"{base}.{up_name}.weight", 0, rank, ws))
-            w13.append(torch.cat([gate, up]))
-            w2.append(dense(loader.get_sharded(f"{base}.{down_name}.weight", 1, rank, ws)))
-        self.w13 = Parameter(torch.stack(w13))
-        self.w2 = Parameter(torch.stack(w2))
+            gate_up += [loader.get_sharded(f"{base}.{gate_name}.weight", 0, rank, ws),
+                        loader.get_sharded(f"{base}.{up_name}.weight", 0, rank, ws)]
+            down.append(loader.get_sharded(f"{base}.{down_name}.weight", 1, rank, ws))
+        w13, w2 = _packed(gate_up, f"{prefix}.w13"), _packed(down, f"{prefix}.w2")
+        if w13 is not None and w2 is not None:  # flat [E * 2I, H] and [E * H, I], still packed
+            self.w13, self.w2 = Parameter(w13), Parameter(w2)
+        else:
+            self.w13 = Parameter(torch.stack([torch.cat([dense(g), dense(u)]) for g, u
+                                              in zip(gate_up[0::2], gate_up[1::2])]))
+            self.w2 = Parameter(torch.stack([dense(d) for d in down]))
         self.num_experts, self.world_size = num_experts, ws
 
     def forward(self, x: Tensor, router_logits: Tensor) -> Tensor:
         return F.moe(x, router_logits, self.w13, self.w2, self.top_k, self.renormalize)
 
     def extra_repr(self) -> str:
-        e, two_i, h = self.w13.shape
-        return f"{e} experts, top {self.top_k}, hidden {h}, inter {two_i // 2} per rank"
+        e, h = self.num_experts, self.w13.shape[-1]
+        inter = self.w2.shape[-1]
+        w13 = self.w13.data
+        packed = f", {w13.scheme.describe(w13.shape)}" if is_quantized(w13) else ""
+        return f"{e} experts, top {self.top_k}, hidden {h}, inter {inter} per rank{packed}"
 
 
 class SparseMoeBlock(Module):
@@ -168,6 +176,18 @@ class SparseMoeBlock(Module):
         if self.has_shared_expert:
             out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def _packed(parts: list, name: str) -> QuantizedWeight | None:
+    """Quantized expert weights stacked row-wise without dequantizing, or None where they
+    cannot stay packed: a part is dense, has permuted columns (GPTQ act-order), or the parts'
+    schemes differ or have scale blocks straddling two parts."""
+    if not all(is_quantized(p) and p.perm is None for p in parts):
+        return None
+    try:
+        return QuantizedWeight.cat(parts, name=name)
+    except WeightLoadError:
+        return None
 
 
 def sparse_or_dense_mlp(config: ModelConfig, loader: WeightLoader, prefix: str, layer_idx: int,

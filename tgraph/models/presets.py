@@ -41,6 +41,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # 8 experts of 14336, 2 per token (12.9B of 46.7B parameters active): 93 GB in bf16, so its
+    # bench runs in FP8 (tgraph.bench.moe.PRESET_SCHEMES).
+    "mixtral-8x7b": dict(
+        model_type="mixtral", architectures=["MixtralForCausalLM"], vocab_size=32000,
+        hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+        rms_norm_eps=1e-5, rope_theta=1000000.0, max_position_embeddings=32768,
+        sliding_window=None, tie_word_embeddings=False, torch_dtype="bfloat16"),
 }
 
 

@@ -435,8 +435,9 @@ def moe(x: Tensor, router_logits: Tensor, w13: Tensor, w2: Tensor, top_k: int,
     Args:
         x: ``[tokens, hidden]``.
         router_logits: ``[tokens, experts]``.
-        w13: ``[experts, 2 * inter, hidden]``, each expert's gate rows then up rows.
-        w2: ``[experts, hidden, inter]``.
+        w13: ``[experts, 2 * inter, hidden]``, each expert's gate rows then up rows (quantized:
+            ``[experts * 2 * inter, hidden]``, expert after expert).
+        w2: ``[experts, hidden, inter]`` (quantized: ``[experts * hidden, inter]``).
         top_k: experts per token.
         renormalize: scale each token's chosen probabilities to sum to one.
 

@@ -1,7 +1,6 @@
 """Routed experts for a few tokens (decode): each token reads only its top-k experts' weights.
 
-Two launches after the routing (softmax, top-k and renormalisation by torch ops, no host
-synchronisation, so the step stays capturable):
+After the routing kernel (:func:`~tgraph.kernels.triton.moe_routing.route_topk`):
 
 1. gate|up with SwiGLU: a program per (token, chosen expert, block of intermediate rows)
    streams those rows of the expert's gate and up weights against the token's activations and
@@ -9,10 +8,14 @@ synchronisation, so the step stays capturable):
 2. down with the weighted combine: a program per (token, block of hidden rows) loops over the
    token's experts, streams the rows of each one's down weight against that expert's SwiGLU
    output and accumulates ``p_e * (w2[e] @ h_e)`` in fp32, writing the token's output once.
+   With ``split`` (a few tokens, where a program per token would leave most of the GPU idle) a
+   program per (pair, block of hidden rows) writes its weighted share in fp32 and
+   :func:`combine_pairs` adds a token's shares.
 
-Both are elementwise-FMA GEMVs over ``[BLOCK_N, BLOCK_K]`` tiles (as the bf16 GEMV of one row),
-so a step reads ``top_k / experts`` of the experts' bytes; the reference of :mod:`tgraph.ir.ops.moe`
-reads all of them. Many tokens (prefill) take the reference for now.
+Both are elementwise-FMA GEMVs over ``[BLOCK_N, BLOCK_K]`` tiles (as the bf16 GEMV of one row)
+on dense or quantized experts (:mod:`tgraph.kernels.triton.moe_tiles`), so a step reads
+``top_k / experts`` of the experts' bytes. Many tokens take the grouped kernels of
+:mod:`tgraph.kernels.triton.moe_grouped`.
 """
 from __future__ import annotations
 
@@ -20,34 +23,48 @@ import torch
 import triton
 import triton.language as tl
 
-from tgraph.ir.ops.moe import route
 from tgraph.kernels.triton.checks import check_device, check_tensor
+from tgraph.kernels.triton.moe_routing import route_topk
+from tgraph.kernels.triton.moe_tiles import expert_tile, expert_weight
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
+from tgraph.quant import QuantizedWeight, is_quantized
 
-__all__ = ["moe_decode"]
+__all__ = ["check_moe_operands", "combine_pairs", "moe_decode", "tl_dtype"]
+
+_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    """Triton's name for a float dtype."""
+    return _TL[dtype]
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, H, INTER, TOP_K,
-                    stride_xt, stride_we, stride_wn, stride_ht,
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, H, INTER, TOP_K,
+                    stride_xt, stride_w, stride_s, stride_ht,
+                    QUANT: tl.constexpr, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                    ZERO: tl.constexpr, OFFSETS: tl.constexpr, QROWS: tl.constexpr,
+                    QCOLS: tl.constexpr, DTYPE: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pair = tl.program_id(0)  # token * TOP_K + choice
     token = pair // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < INTER
     pdl_wait(PDL)
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    gate_rows = w13_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
-    up_rows = gate_rows + INTER * stride_wn
+    expert = tl.load(ids_ptr + pair)
+    gate_rows = expert * (2 * INTER) + offs_n
     acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(0, H, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < H
-        xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        m = mask_n[:, None] & mask_k[None, :]
-        acc_g += tl.load(gate_rows + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * xv
-        acc_u += tl.load(up_rows + offs_k[None, :], mask=m, other=0.0).to(tl.float32) * xv
+        xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < H, other=0.0)
+        xv = xv.to(tl.float32)[None, :]
+        acc_g += expert_tile(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w, stride_s,
+                             QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS, BLOCK_N,
+                             BLOCK_K, DTYPE).to(tl.float32) * xv
+        acc_u += expert_tile(w_ptr, s_ptr, b_ptr, gate_rows + INTER, mask_n, k0, H, stride_w,
+                             stride_s, QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
+                             BLOCK_N, BLOCK_K, DTYPE).to(tl.float32) * xv
     g = tl.sum(acc_g, axis=1)
     u = tl.sum(acc_u, axis=1)
     h = g * tl.sigmoid(g) * u
@@ -55,79 +72,140 @@ def _gate_up_kernel(x_ptr, ids_ptr, w13_ptr, h_ptr, H, INTER, TOP_K,
 
 
 @triton.jit
-def _down_combine_kernel(h_ptr, ids_ptr, p_ptr, w2_ptr, out_ptr, H, INTER, TOP_K,
-                         stride_ht, stride_we, stride_wn, stride_ot,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    token = tl.program_id(0)
+def _down_kernel(h_ptr, ids_ptr, p_ptr, w_ptr, s_ptr, b_ptr, out_ptr, H, INTER, TOP_K,
+                 stride_ht, stride_w, stride_s, stride_ot,
+                 QUANT: tl.constexpr, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr,
+                 ZERO: tl.constexpr, OFFSETS: tl.constexpr, QROWS: tl.constexpr,
+                 QCOLS: tl.constexpr, DTYPE: tl.constexpr, SPLIT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    # SPLIT: program 0 axis runs over pairs, each writing its fp32 share; else over tokens.
+    first = tl.program_id(0) if SPLIT else tl.program_id(0) * TOP_K
+    count = 1 if SPLIT else TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     pdl_wait(PDL)
     out = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    for j in range(0, TOP_K):
-        pair = token * TOP_K + j
-        expert = tl.load(ids_ptr + pair).to(tl.int64)
+    for j in range(0, count):
+        pair = first + j
+        expert = tl.load(ids_ptr + pair)
         share = tl.load(p_ptr + pair)
-        rows = w2_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        rows = expert * H + offs_n
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, INTER, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            mask_k = offs_k < INTER
-            hv = tl.load(h_ptr + pair * stride_ht + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-            acc += tl.load(rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :],
-                           other=0.0).to(tl.float32) * hv
+            hv = tl.load(h_ptr + pair * stride_ht + offs_k, mask=offs_k < INTER, other=0.0)
+            acc += expert_tile(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, INTER, stride_w, stride_s,
+                               QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS, BLOCK_N,
+                               BLOCK_K, DTYPE).to(tl.float32) * hv.to(tl.float32)[None, :]
         out += share * tl.sum(acc, axis=1)
-    tl.store(out_ptr + token * stride_ot + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+    tl.store(out_ptr + tl.program_id(0) * stride_ot + offs_n,
+             out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def moe_decode(x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-               w2: torch.Tensor, out: torch.Tensor, top_k: int, renormalize: bool,
-               block_n: int = 16, block_k: int = 256) -> torch.Tensor:
+@triton.jit
+def _combine_kernel(y_ptr, out_ptr, H, TOP_K, stride_yp, stride_ot, BLOCK_N: tl.constexpr,
+                    PDL: tl.constexpr):
+    token = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    pdl_wait(PDL)
+    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in range(0, TOP_K):
+        acc += tl.load(y_ptr + (token * TOP_K + j) * stride_yp + offs_n, mask=mask_n, other=0.0)
+    tl.store(out_ptr + token * stride_ot + offs_n, acc.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def combine_pairs(y: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tensor:
+    """``out[t] = sum_j y[t * top_k + j]``: the fp32 weighted shares of a token's experts,
+    added in choice order and rounded once."""
+    t, h = out.shape
+    block_n = 256
+    _combine_kernel[(t, triton.cdiv(h, block_n))](y, out, h, top_k, y.stride(0), out.stride(0),
+                                                  BLOCK_N=block_n, num_warps=4,
+                                                  **pdl_kwargs(out))
+    return out
+
+
+def check_moe_operands(op: str, x: torch.Tensor, router_logits: torch.Tensor,
+                       w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
+                       out: torch.Tensor, top_k: int) -> tuple[int, int, int, int]:
+    """``(T, H, E, I)`` of the operands, checked: x ``[T, H]``, logits ``[T, E]``, experts
+    ``[E, 2I, H]`` / ``[E, H, I]`` contiguous in x's dtype or quantized ``[E * 2I, H]`` /
+    ``[E * H, I]``, out like x."""
+    check_tensor(op, "x", x, 2)
+    check_tensor(op, "router_logits", router_logits, 2)
+    check_tensor(op, "out", out, 2)
+    t, h = x.shape
+    e = router_logits.shape[1]
+    quant = is_quantized(w13)
+    if quant != is_quantized(w2):
+        raise ValueError(f"{op}: w13 and w2 must be both dense or both quantized, got "
+                         f"{type(w13).__name__} and {type(w2).__name__}")
+    if quant:
+        two_inter = w13.shape[0] // e
+        inter = two_inter // 2
+        ok = tuple(w13.shape) == (e * two_inter, h) and tuple(w2.shape) == (e * h, inter)
+    else:
+        for name, w in (("w13", w13), ("w2", w2)):
+            check_tensor(op, name, w, 3)
+        two_inter, inter = w13.shape[1], w13.shape[1] // 2
+        ok = tuple(w13.shape) == (e, two_inter, h) and tuple(w2.shape) == (e, h, inter) \
+            and w13.dtype == w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
+    if not ok or two_inter % 2 or router_logits.shape[0] != t or tuple(out.shape) != (t, h) \
+            or out.dtype != x.dtype:
+        raise ValueError(f"{op}: expected x [T, H], router_logits [T, E], experts w13 [E, 2I, H] "
+                         f"and w2 [E, H, I] contiguous in x's dtype (or both quantized as "
+                         f"[E * 2I, H] and [E * H, I]), out like x; got x {list(x.shape)} "
+                         f"{x.dtype}, logits {list(router_logits.shape)}, w13 {list(w13.shape)} "
+                         f"{w13.dtype}, w2 {list(w2.shape)} {w2.dtype}, out {list(out.shape)} "
+                         f"{out.dtype}")
+    if not 1 <= top_k <= e:
+        raise ValueError(f"{op}: top_k must be between 1 and the {e} experts, got {top_k}")
+    device_of = {"x": x, "router_logits": router_logits, "out": out,
+                 "w13": w13.qdata if quant else w13, "w2": w2.qdata if quant else w2}
+    check_device(op, device_of)
+    return t, h, e, inter
+
+
+def moe_decode(x: torch.Tensor, router_logits: torch.Tensor,
+               w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
+               out: torch.Tensor, top_k: int, renormalize: bool, block_n: int = 16,
+               block_k: int = 256, split: bool = False) -> torch.Tensor:
     """``out = moe(x, router_logits, w13, w2)`` reading only the chosen experts' weights.
 
     Args:
         x: ``[T, H]`` activations (fp16/bf16/fp32), rows contiguous.
         router_logits: ``[T, E]``.
-        w13: ``[E, 2 * I, H]`` gate rows then up rows per expert, in x's dtype.
-        w2: ``[E, H, I]``.
+        w13: ``[E, 2 * I, H]`` gate rows then up rows per expert, in x's dtype, or a quantized
+            ``[E * 2 * I, H]`` of those rows.
+        w2: ``[E, H, I]`` (quantized: ``[E * H, I]``).
         out: ``[T, H]`` in x's dtype; written, never allocated.
         top_k: experts per token.
         renormalize: scale each token's chosen probabilities to sum to one.
         block_n, block_k: the GEMV tiles.
+        split: one program per (token, expert) for the down projection, then a combine.
 
     Returns:
         ``out``.
     """
-    op = "moe_decode"
-    check_tensor(op, "x", x, 2)
-    check_tensor(op, "router_logits", router_logits, 2)
-    check_tensor(op, "w13", w13, 3)
-    check_tensor(op, "w2", w2, 3)
-    check_tensor(op, "out", out, 2)
-    t, h = x.shape
-    e, two_inter, h13 = w13.shape
-    inter = two_inter // 2
-    if h13 != h or tuple(w2.shape) != (e, h, inter) or tuple(router_logits.shape) != (t, e) \
-            or tuple(out.shape) != (t, h) or w13.dtype != x.dtype or w2.dtype != x.dtype \
-            or out.dtype != x.dtype or not w13.is_contiguous() or not w2.is_contiguous():
-        raise ValueError(f"{op}: expected x [T, H], router_logits [T, E], contiguous w13 "
-                         f"[E, 2I, H] and w2 [E, H, I] in x's dtype, out like x; got x "
-                         f"{list(x.shape)} {x.dtype}, logits {list(router_logits.shape)}, w13 "
-                         f"{list(w13.shape)} {w13.dtype}, w2 {list(w2.shape)} {w2.dtype}, out "
-                         f"{list(out.shape)} {out.dtype}")
-    if not 1 <= top_k <= e:
-        raise ValueError(f"{op}: top_k must be between 1 and the {e} experts, got {top_k}")
-    check_device(op, {"x": x, "router_logits": router_logits, "w13": w13, "w2": w2, "out": out})
+    t, h, e, inter = check_moe_operands("moe_decode", x, router_logits, w13, w2, out, top_k)
     if t == 0:
         return out
-    weights, ids = route(router_logits, top_k, renormalize)
-    ids = ids.to(torch.int32).contiguous()
-    weights = weights.contiguous()
+    weights, ids = route_topk(router_logits, top_k, renormalize)
+    g = expert_weight(w13, e * 2 * inter, block_k)
+    d = expert_weight(w2, e * h, block_k)
     hidden = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
     pdl = pdl_kwargs(x)
+    dtype = tl_dtype(x.dtype)
     _gate_up_kernel[(t * top_k, triton.cdiv(inter, block_n))](
-        x, ids, w13, hidden, h, inter, top_k, x.stride(0), w13.stride(0), w13.stride(1),
-        hidden.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl)
-    _down_combine_kernel[(t, triton.cdiv(h, block_n))](
-        hidden, ids, weights, w2, out, h, inter, top_k, hidden.stride(0), w2.stride(0),
-        w2.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl)
+        x, ids, g.data, g.scale, g.offset, hidden, h, inter, top_k, x.stride(0), g.stride_w,
+        g.stride_s, hidden.stride(0), **g.constexprs, DTYPE=dtype, BLOCK_N=block_n,
+        BLOCK_K=g.block_k, num_warps=4, **pdl)
+    target = torch.empty(t * top_k, h, dtype=torch.float32, device=x.device) if split else out
+    _down_kernel[(target.shape[0], triton.cdiv(h, block_n))](
+        hidden, ids, weights, d.data, d.scale, d.offset, target, h, inter, top_k, hidden.stride(0),
+        d.stride_w, d.stride_s, target.stride(0), **d.constexprs, DTYPE=dtype, SPLIT=split,
+        BLOCK_N=block_n, BLOCK_K=d.block_k, num_warps=4, **pdl)
+    if split:
+        combine_pairs(target, out, top_k)
     return out

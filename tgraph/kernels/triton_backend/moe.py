@@ -1,5 +1,7 @@
 """The ``moe`` wrapper: the decode kernels of :mod:`tgraph.kernels.triton.moe` for a few tokens
-(each reads only its experts' weights), the op's reference for more."""
+(each reads only its experts' weights), the grouped GEMM of
+:mod:`tgraph.kernels.triton.moe_grouped` for more; the op's reference where neither runs (CPU,
+quantized experts the kernels cannot read packed)."""
 from __future__ import annotations
 
 import torch
@@ -14,20 +16,38 @@ __all__ = ["KERNELS", "moe_into"]
 _reference = reference_into("moe")
 
 
-def moe_into(outs: Outs, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor,
-             w2: torch.Tensor, *, tuning: Tuning, top_k: int, renormalize: bool) -> torch.Tensor:
+def _kernels_take(x: torch.Tensor, w13, w2) -> bool:
+    from tgraph.kernels.triton.moe_tiles import packed_experts_ok
+
+    if not (x.is_cuda or interpreted(x)):
+        return False
+    if is_quantized(w13) != is_quantized(w2):
+        return False
+    if is_quantized(w13):
+        return packed_experts_ok(w13) and packed_experts_ok(w2)
+    return w13.dtype == w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
+
+
+def moe_into(outs: Outs, x: torch.Tensor, router_logits: torch.Tensor, w13, w2, *,
+             tuning: Tuning, top_k: int, renormalize: bool) -> torch.Tensor:
     """``outs[0] = moe(x, router_logits, w13, w2)`` (see :mod:`tgraph.ir.ops.moe`)."""
-    t = tuning.moe
-    fast = (x.is_cuda or interpreted(x)) and x.shape[0] <= t.decode_max_tokens \
-        and not is_quantized(w13) and w13.dtype == w2.dtype == x.dtype \
-        and w13.is_contiguous() and w2.is_contiguous()
-    if not fast:
+    if not _kernels_take(x, w13, w2):
         return _reference(outs, x, router_logits, w13, w2, top_k=top_k,
                           renormalize=renormalize)
-    from tgraph.kernels.triton.moe import moe_decode
+    t = tuning.moe
+    x, router_logits = rows(x), rows(router_logits)
+    if x.shape[0] <= t.decode_max_tokens:
+        from tgraph.kernels.triton.moe import moe_decode
 
-    moe_decode(rows(x), rows(router_logits), w13, w2, outs[0], top_k, renormalize,
-               block_n=t.block_n, block_k=t.block_k)
+        moe_decode(x, router_logits, w13, w2, outs[0], top_k, renormalize, block_n=t.block_n,
+                   block_k=t.block_k, split=x.shape[0] <= t.split_max_tokens)
+    else:
+        from tgraph.kernels.triton.moe_grouped import moe_grouped
+
+        moe_grouped(x, router_logits, w13, w2, outs[0], top_k, renormalize,
+                    block_m=t.grouped_block_m, block_n=t.grouped_block_n,
+                    block_k=t.grouped_block_k, num_warps=t.grouped_num_warps,
+                    num_stages=t.grouped_num_stages)
     return outs[0]
 
 
