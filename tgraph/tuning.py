@@ -227,7 +227,7 @@ class MoeTuning(_Section):
     split_max_tokens: int = knob(8, "up to this many tokens the decode down projection runs "
                                     "a program per (token, expert), then a combine")
     block_n: int = knob(16, "decode kernels: weight rows per program")
-    block_k: int = knob(256, "decode kernels: K per step")
+    block_k: int = knob(512, "decode kernels: K per step")
     grouped_block_m: int = knob(64, "grouped GEMM: the largest block of (token, expert) pairs")
     grouped_block_n: int = knob(64, "grouped GEMM: output columns per program")
     grouped_block_k: int = knob(64, "grouped GEMM: K per step")

@@ -19,7 +19,7 @@ from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter, apply_placement
 from tgraph.nn.network_manager import recording
 from tgraph.nn.tensor import Tensor
-from tgraph.passes.partition import infer_placement
+from tgraph.passes.partition import Placement, infer_placement, partition
 from tgraph.rules import apply_rules, load_rules, predict_placement
 from tgraph.testing import make_tiny_hf_model, run_greedy
 
@@ -93,6 +93,25 @@ def test_copies_are_recorded_once_per_value_and_device() -> None:
     placement = infer_placement(net)
     assert placement is not None and placement.devices == ["cpu:0", "cpu:1"]
     assert placement.of[net.outputs["y"]] == "cpu:1"  # the engine copies it back to cpu:0
+
+
+def test_work_placed_on_the_cpu_of_a_gpu_model_runs_between_the_graphs() -> None:
+    """With a GPU main device, the nodes a rule put on the CPU (experts) form host segments
+    (one per run of them): they run between the CUDA graphs, never inside a capture."""
+    net = _record(_split_stack())
+    cpu = infer_placement(net)
+    assert cpu is not None
+    rename = {"cpu:0": "cuda:0", "cpu:1": "cpu:0"}
+    gpu = Placement("cuda:0", {v: rename[d] for v, d in cpu.of.items()},
+                    [rename[d] for d in cpu.devices])
+    segments = partition(net, placement=gpu)
+    on_cpu = [s for s in segments if s.device == "cpu:0" and s.nodes[0].op != "to_device"]
+    assert on_cpu and all(not s.capturable and s.reason == "runs on cpu:0" for s in on_cpu)
+    assert sum(len(s.nodes) for s in on_cpu) == sum(
+        1 for n in net.nodes if gpu.node_device(n) == "cpu:0" and n.op != "to_device")
+    assert all(s.capturable for s in segments if s.device == "cuda:0")
+    # A CPU-only model keeps its device segments (nothing is captured there anyway).
+    assert not any(s.reason.startswith("runs on") for s in partition(net, placement=cpu))
 
 
 def test_single_device_networks_carry_no_placement() -> None:

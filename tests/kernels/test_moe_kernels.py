@@ -7,8 +7,10 @@ Tolerances: fp32 differs by summation order only (experts summed in routing orde
 order; 1e-5 of the output's scale, tf32 is never used for fp32). bf16: the kernels keep the
 gate|up products in fp32 up to the SwiGLU and round once, the reference rounds the products to
 bf16 first; each output may differ by a few bf16 ulps of the expert outputs' size, bounded by
-``2**-6 * max|out|``. Quantized experts are dequantized to the activations' dtype by both sides
-(the reference per expert, the kernels per tile), so the same bounds hold.
+``2**-6 * max|out|``. Quantized experts: the reference and the grouped GEMM dequantize them to
+the activations' dtype (per expert, per tile); the decode kernels multiply the codes and fold the
+scales in fp32 (no rounding of the weights), which differs from the reference by less than
+the rounding the bf16 bound already allows.
 """
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from tgraph.errors import GraphError
 from tgraph.ir.network import Network
 from tgraph.ir.node import Node
 from tgraph.ir.ops import OpCategory, get_op
+from tgraph.ir.ops.transfer import placement_device
 from tgraph.ir.value import Value, ValueKind
 from tgraph.nn.functional import MAIN_DEVICE, PLACEMENT
 
@@ -209,6 +210,14 @@ def partition(net: Network, host_reason: Callable[[Node], str] = needs_host,
                 reason = f"to_device {placement.of.get(src, placement.main)} -> {device}"
                 last = segments[-1] if segments else None
                 if last is not None and last.reason == reason:  # one segment per batch of copies
+                    last.nodes.append(node)
+                    continue
+            elif not reason and placement_device(device).type == "cpu" \
+                    and placement_device(placement.main).type == "cuda":
+                # Work a rule moved off the GPU (experts on the CPU) runs between the graphs.
+                reason = f"runs on {device}"
+                last = segments[-1] if segments else None
+                if last is not None and last.reason == reason:
                     last.nodes.append(node)
                     continue
         if reason:

@@ -12,9 +12,10 @@ After the routing kernel (:func:`~tgraph.kernels.triton.moe_routing.route_topk`)
    program per (pair, block of hidden rows) writes its weighted share in fp32 and
    :func:`combine_pairs` adds a token's shares.
 
-Both are elementwise-FMA GEMVs over ``[BLOCK_N, BLOCK_K]`` tiles (as the bf16 GEMV of one row)
-on dense or quantized experts (:mod:`tgraph.kernels.triton.moe_tiles`), so a step reads
-``top_k / experts`` of the experts' bytes. Many tokens take the grouped kernels of
+Both are elementwise-FMA GEMVs over ``[BLOCK_N, BLOCK_K]`` tiles (as the bf16 GEMV of one row);
+quantized experts are multiplied on their codes, each tile's scales folded once per row
+(:mod:`tgraph.kernels.triton.moe_tiles`). A step reads ``top_k / experts`` of the experts'
+bytes. Many tokens take the grouped kernels of
 :mod:`tgraph.kernels.triton.moe_grouped`.
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ import triton.language as tl
 
 from tgraph.kernels.triton.checks import check_device, check_tensor
 from tgraph.kernels.triton.moe_routing import route_topk
-from tgraph.kernels.triton.moe_tiles import expert_tile, expert_weight
+from tgraph.kernels.triton.moe_tiles import expert_dot, expert_tile, expert_weight
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 from tgraph.quant import QuantizedWeight, is_quantized
 
@@ -53,20 +54,33 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, H, INTER, TOP_K,
     pdl_wait(PDL)
     expert = tl.load(ids_ptr + pair)
     gate_rows = expert * (2 * INTER) + offs_n
-    acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < H, other=0.0)
-        xv = xv.to(tl.float32)[None, :]
-        acc_g += expert_tile(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w, stride_s,
-                             QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS, BLOCK_N,
-                             BLOCK_K, DTYPE).to(tl.float32) * xv
-        acc_u += expert_tile(w_ptr, s_ptr, b_ptr, gate_rows + INTER, mask_n, k0, H, stride_w,
-                             stride_s, QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
-                             BLOCK_N, BLOCK_K, DTYPE).to(tl.float32) * xv
-    g = tl.sum(acc_g, axis=1)
-    u = tl.sum(acc_u, axis=1)
+    if QUANT:  # codes times activations, each tile's scales folded once per row
+        g = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        u = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < H,
+                         other=0.0).to(tl.float32)
+            g += expert_dot(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w, stride_s,
+                            xv, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS, BLOCK_N, BLOCK_K)
+            u += expert_dot(w_ptr, s_ptr, b_ptr, gate_rows + INTER, mask_n, k0, H, stride_w,
+                            stride_s, xv, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
+                            BLOCK_N, BLOCK_K)
+    else:
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < H, other=0.0)
+            xv = xv.to(tl.float32)[None, :]
+            acc_g += expert_tile(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w,
+                                 stride_s, False, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
+                                 BLOCK_N, BLOCK_K, DTYPE).to(tl.float32) * xv
+            acc_u += expert_tile(w_ptr, s_ptr, b_ptr, gate_rows + INTER, mask_n, k0, H,
+                                 stride_w, stride_s, False, KIND, NATIVE_FP8, ZERO, OFFSETS,
+                                 QROWS, QCOLS, BLOCK_N, BLOCK_K, DTYPE).to(tl.float32) * xv
+        g = tl.sum(acc_g, axis=1)
+        u = tl.sum(acc_u, axis=1)
     h = g * tl.sigmoid(g) * u
     tl.store(h_ptr + pair * stride_ht + offs_n, h.to(h_ptr.dtype.element_ty), mask=mask_n)
 
@@ -90,14 +104,25 @@ def _down_kernel(h_ptr, ids_ptr, p_ptr, w_ptr, s_ptr, b_ptr, out_ptr, H, INTER, 
         expert = tl.load(ids_ptr + pair)
         share = tl.load(p_ptr + pair)
         rows = expert * H + offs_n
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, INTER, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            hv = tl.load(h_ptr + pair * stride_ht + offs_k, mask=offs_k < INTER, other=0.0)
-            acc += expert_tile(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, INTER, stride_w, stride_s,
-                               QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS, BLOCK_N,
-                               BLOCK_K, DTYPE).to(tl.float32) * hv.to(tl.float32)[None, :]
-        out += share * tl.sum(acc, axis=1)
+        if QUANT:
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                hv = tl.load(h_ptr + pair * stride_ht + offs_k, mask=offs_k < INTER, other=0.0)
+                y += expert_dot(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, INTER, stride_w,
+                                stride_s, hv.to(tl.float32), KIND, NATIVE_FP8, ZERO, OFFSETS,
+                                QROWS, QCOLS, BLOCK_N, BLOCK_K)
+        else:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            for k0 in range(0, INTER, BLOCK_K):
+                offs_k = k0 + tl.arange(0, BLOCK_K)
+                hv = tl.load(h_ptr + pair * stride_ht + offs_k, mask=offs_k < INTER, other=0.0)
+                acc += expert_tile(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, INTER, stride_w,
+                                   stride_s, False, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS,
+                                   QCOLS, BLOCK_N, BLOCK_K, DTYPE).to(tl.float32) \
+                    * hv.to(tl.float32)[None, :]
+            y = tl.sum(acc, axis=1)
+        out += share * y
     tl.store(out_ptr + tl.program_id(0) * stride_ot + offs_n,
              out.to(out_ptr.dtype.element_ty), mask=mask_n)
 

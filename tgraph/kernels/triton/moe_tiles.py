@@ -25,7 +25,7 @@ from tgraph.kernels.triton.quant_tiles import (
 )
 from tgraph.quant import QuantizedWeight, is_quantized
 
-__all__ = ["ExpertWeight", "expert_tile", "expert_weight", "packed_experts_ok"]
+__all__ = ["ExpertWeight", "expert_dot", "expert_tile", "expert_weight", "packed_experts_ok"]
 
 
 @triton.jit
@@ -47,6 +47,27 @@ def expert_tile(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, K, stride_w, stride_s,
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < K)[None, :],
                     other=0.0).to(DTYPE)
     return w
+
+
+@triton.jit
+def expert_dot(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, K, stride_w, stride_s, xv,
+               KIND: tl.constexpr, NATIVE_FP8: tl.constexpr, ZERO: tl.constexpr,
+               OFFSETS: tl.constexpr, QROWS: tl.constexpr, QCOLS: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``[BLOCK_N]`` fp32 products of quantized weight ``rows`` with the fp32 activations
+    ``xv [BLOCK_K]`` from column ``k0``, on the codes: the tile's scale (and offset) folded
+    once per row, ``s * (v . x - ZERO * sum(x)) + b * sum(x)``, not once per weight."""
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    v = load_codes(w_rows, k0, K, mask_n, BLOCK_N, BLOCK_K, KIND, 0, NATIVE_FP8, tl.float32)
+    part = tl.sum(v * xv[None, :], axis=1)
+    s, b = load_scales(s_ptr, b_ptr, rows, mask_n, k0, stride_s, QROWS, QCOLS, OFFSETS)
+    sx = tl.sum(xv, axis=0)
+    if ZERO != 0.0:
+        part = part - ZERO * sx
+    out = s * part
+    if OFFSETS:
+        out += b * sx
+    return out
 
 
 @dataclass(frozen=True)
