@@ -2,14 +2,21 @@
 
 A PEFT LoRA adapter adds ``scaling * x @ A.T @ B.T`` to a linear's output, with ``A [r, in]``,
 ``B [out, r]`` and ``scaling = lora_alpha / r`` (``lora_alpha / sqrt(r)`` with ``use_rslora``).
+``r`` and ``lora_alpha`` may differ per module: ``rank_pattern`` / ``alpha_pattern`` map
+regular expressions over the module's name in the base model
+(``model.layers.3.self_attn.q_proj``) to that module's rank / alpha, matched by PEFT's rule
+(:func:`_pattern_value`).
 
 The model runs q/k/v and gate/up as one packed GEMM each. An adapter is packed the same way, so
 that one delta covers the packed output: the parts' A matrices are stacked along the rank
 (``A_packed [E * R, in]``, the ``e``-th enabled part in rows ``e*R : e*R + r``) and B is
 block-diagonal (``B_packed [out_total, E * R]``, a part's output rows times its rank block; a part
 the feature does not target gets no block and no delta). ``R`` is the feature's
-``max_rank``: every adapter is zero-padded to it, so all adapters have the same shapes and
-switching adapters never rebuilds an engine. Zero padding adds exact zeros.
+``max_rank``: every module is zero-padded to it, whatever its own rank, so all adapters have the
+same shapes and switching adapters never rebuilds an engine. Zero padding adds exact zeros.
+
+The features scale each adapter's shrink by one number, :attr:`LoraAdapter.scaling`; a module
+whose own scaling differs (patterns) carries the remaining factor in its packed B.
 
 At run time ``A_packed`` is stacked per slot and ``B_packed`` sits beside the base weight (see
 :mod:`tgraph.layers.lora_bank`): the linear and its adapters run as one GEMM on the operand that
@@ -47,6 +54,8 @@ LORA_TARGET_MODULES: tuple[str, ...] = tuple(p for _, parts in _PACKED.values() 
 
 # e.g. "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$")
+# What PEFT puts before the base model's module names in the tensor names it saves.
+_PEFT_PREFIX = "base_model.model."
 
 
 @dataclass
@@ -56,26 +65,41 @@ class LoraAdapter:
     Attributes:
         name: the name requests use.
         path: the directory it was read from.
-        rank: ``r``.
-        alpha: ``lora_alpha``.
-        use_rslora: rank-stabilised scaling.
+        alpha: the config's ``lora_alpha`` (a module's own may come from ``alpha_pattern``).
+        use_rslora: rank-stabilised scaling (``alpha / sqrt(r)``).
         target_modules: the PEFT module names it adapts (a subset of
             :data:`LORA_TARGET_MODULES`).
-        weights: ``(layer, module) -> (A [r, in], B [out, r])``.
+        weights: ``(layer, module) -> (A [r, in], B [out, r])``, ``r`` that module's rank.
+        ranks: ``(layer, module) -> r`` (the config's ``r``, or its ``rank_pattern`` entry).
+        scalings: ``(layer, module) ->`` the factor of that module's ``x @ A.T @ B.T``.
     """
 
     name: str
     path: Path
-    rank: int
     alpha: float
     use_rslora: bool
     target_modules: frozenset[str]
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    ranks: dict[tuple[int, str], int] = field(repr=False)
+    scalings: dict[tuple[int, str], float] = field(repr=False)
+
+    @property
+    def rank(self) -> int:
+        """The largest rank of its modules (what the feature's ``max_rank`` must hold)."""
+        return max(self.ranks.values())
 
     @property
     def scaling(self) -> float:
-        """The factor of ``x @ A.T @ B.T``: ``alpha / r`` (``alpha / sqrt(r)`` with rsLoRA)."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
+        """The adapter's common factor: its largest module scaling in magnitude (without
+        patterns, every module's ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA). The LoRA
+        features scale the adapter's shrink by it; :meth:`relative_scaling` is the rest."""
+        return max(self.scalings.values(), key=abs, default=0.0)
+
+    def relative_scaling(self, key: tuple[int, str]) -> float:
+        """``scalings[key] / scaling``: what :func:`pack_adapter` folds into a module's B
+        (1.0 for every module of an adapter without patterns)."""
+        common = self.scaling
+        return self.scalings[key] / common if common else 0.0
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -93,20 +117,87 @@ def _read_config(path: Path) -> dict[str, Any]:
     return config
 
 
-def _check_config(config: dict[str, Any], where: str) -> tuple[int, float, bool, frozenset[str]]:
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _is_alpha(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _pattern_value(patterns: dict[str, Any], name: str, default: Any) -> Any:
+    r"""PEFT's rule (``peft.utils.other.get_pattern_key``) for a module's rank or alpha.
+
+    The first key, in the config's order, that matches the end of ``name`` as a regular
+    expression starting at a dot boundary (``re.match(rf"(.*\.)?({key})$", name)``) wins; if none
+    matches, an entry keyed by ``name`` itself, else ``default``.
+    """
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", name):
+            return value
+    return patterns.get(name, default)
+
+
+def _check_pattern(config: dict[str, Any], key: str, noun: str, what: str, ok: Any,
+                   where: str) -> dict[str, Any]:
+    """``config[key]`` (``rank_pattern`` / ``alpha_pattern``) checked: an object of valid
+    regular expressions to ``noun`` values that pass ``ok`` (``what`` says what it expects);
+    missing or null: no entries."""
+    patterns = config.get(key)
+    if patterns is None:
+        return {}
+    if not isinstance(patterns, dict):
+        raise ConfigError(f"{where}: {key!r} must be an object mapping module-name patterns "
+                          f"(regular expressions such as 'q_proj' or 'layers\\.0\\..*_proj') to "
+                          f"{noun} ({what}s), got {type(patterns).__name__} {patterns!r}")
+    for pattern, value in patterns.items():
+        try:
+            re.compile(rf"(.*\.)?({pattern})$")
+        except re.error as err:
+            raise ConfigError(f"{where}: {key!r} key {pattern!r} is not a valid regular "
+                              f"expression ({err})") from None
+        if not ok(value):
+            raise ConfigError(f"{where}: {key}[{pattern!r}] must be a {what}, got {value!r}")
+    return dict(patterns)
+
+
+@dataclass(frozen=True)
+class _AdapterConfig:
+    """The keys of ``adapter_config.json`` that tgraph honours."""
+
+    r: int
+    alpha: float
+    use_rslora: bool
+    targets: frozenset[str]
+    rank_pattern: dict[str, int]
+    alpha_pattern: dict[str, float]
+
+    def module(self, name: str) -> tuple[int, float]:
+        """``(rank, scaling)`` of the module ``name`` (``model.layers.3.self_attn.q_proj``)."""
+        r = _pattern_value(self.rank_pattern, name, self.r)
+        alpha = float(_pattern_value(self.alpha_pattern, name, self.alpha))
+        return r, alpha / (math.sqrt(r) if self.use_rslora else r)
+
+
+def _check_config(config: dict[str, Any], where: str) -> _AdapterConfig:
     """Validate the keys tgraph honours and refuse the ones it does not implement."""
     peft_type = str(config.get("peft_type", "LORA")).upper()
     if peft_type != "LORA":
         raise ConfigError(f"{where}: peft_type {peft_type!r} is not supported; expected LORA")
     r = config.get("r")
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+    if not _is_rank(r):
         raise ConfigError(f"{where}: 'r' must be a positive int, got {r!r}")
     alpha = config.get("lora_alpha", 8)
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise ConfigError(f"{where}: 'lora_alpha' must be a number, got {alpha!r}")
+    if not _is_alpha(alpha):
+        raise ConfigError(f"{where}: 'lora_alpha' must be a finite number, got {alpha!r}")
+    rslora = config.get("use_rslora", False)
+    if not isinstance(rslora, bool) and rslora is not None:
+        raise ConfigError(f"{where}: 'use_rslora' must be true or false, got {rslora!r}")
+    rank_pattern = _check_pattern(config, "rank_pattern", "ranks", "positive int", _is_rank,
+                                  where)
+    alpha_pattern = _check_pattern(config, "alpha_pattern", "alphas", "finite number",
+                                   _is_alpha, where)
     refused = {"use_dora": bool(config.get("use_dora")),
-               "rank_pattern": bool(config.get("rank_pattern")),
-               "alpha_pattern": bool(config.get("alpha_pattern")),
                "modules_to_save": bool(config.get("modules_to_save")),
                "bias": config.get("bias", "none") not in (None, "none"),
                "fan_in_fan_out": bool(config.get("fan_in_fan_out"))}
@@ -124,7 +215,8 @@ def _check_config(config: dict[str, Any], where: str) -> tuple[int, float, bool,
     if unknown:
         raise ConfigError(f"{where}: unknown target module(s) {unknown}; tgraph adapts "
                           f"{list(LORA_TARGET_MODULES)}")
-    return r, float(alpha), bool(config.get("use_rslora", False)), frozenset(targets)
+    return _AdapterConfig(r, float(alpha), bool(rslora), frozenset(targets), rank_pattern,
+                          alpha_pattern)
 
 
 def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
@@ -140,9 +232,11 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
 
     Raises:
         WeightLoadError: a file is missing or unreadable, a tensor is unexpected or has a shape
-            that contradicts ``r``, or an A/B pair is incomplete.
-        ConfigError: the config uses a feature tgraph does not implement, or names an unknown
-            target module.
+            that contradicts its module's rank, or an A/B pair is incomplete.
+        ConfigError: the config uses a feature tgraph does not implement, names an unknown
+            target module, or has a malformed ``r``, ``lora_alpha``, ``use_rslora``,
+            ``rank_pattern`` or ``alpha_pattern`` (a pattern that matches no module is fine, as
+            in PEFT).
     """
     from safetensors.torch import load_file
 
@@ -150,7 +244,7 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
     where = f"LoRA adapter {str(path)!r}"
     if not path.is_dir():
         raise WeightLoadError(f"{where}: no such directory")
-    r, alpha, rslora, targets = _check_config(_read_config(path), where)
+    config = _check_config(_read_config(path), where)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.is_file():
         hint = " (adapter_model.bin is pickle and is refused)" \
@@ -158,20 +252,27 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
         raise WeightLoadError(f"{where}: missing adapter_model.safetensors{hint}")
     tensors = load_file(str(weights_file), device="cpu")
     parts: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    ranks: dict[tuple[int, str], int] = {}
+    scalings: dict[tuple[int, str], float] = {}
     for key, t in tensors.items():
         m = _KEY.search(key)
         if m is None:
             raise WeightLoadError(f"{where}: unexpected tensor {key!r}; expected "
                                   "'...layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight'")
         layer, module, which = int(m.group(1)), m.group(2), m.group(3)
-        if module not in targets:
+        if module not in config.targets:
             raise ConfigError(f"{where}: tensor {key!r} adapts {module!r}, which is not in its "
-                              f"target_modules {sorted(targets)}")
+                              f"target_modules {sorted(config.targets)}")
+        # the module's name in the base model, which the patterns are matched against
+        module_name = key.rsplit(".lora_", 1)[0].removeprefix(_PEFT_PREFIX)
+        r, scaling = config.module(module_name)
         want = (r, None) if which == "A" else (None, r)
         if t.dim() != 2 or any(w is not None and w != d for w, d in zip(want, t.shape)):
             raise WeightLoadError(f"{where}: {key!r} has shape {list(t.shape)}; expected "
-                                  f"{'[r, in]' if which == 'A' else '[out, r]'} with r={r}")
+                                  f"{'[r, in]' if which == 'A' else '[out, r]'} with r={r} "
+                                  f"(the rank of {module_name!r})")
         parts.setdefault((layer, module), {})[which] = t.float()
+        ranks[(layer, module)], scalings[(layer, module)] = r, scaling
     if not parts:
         raise WeightLoadError(f"{where}: adapter_model.safetensors holds no LoRA weights")
     weights = {}
@@ -180,7 +281,8 @@ def load_peft_adapter(path: str | Path, name: str | None = None) -> LoraAdapter:
             raise WeightLoadError(f"{where}: layer {layer} {module} has lora_{''.join(ab)} but "
                                   "not its pair")
         weights[(layer, module)] = (ab["A"], ab["B"])
-    return LoraAdapter(name or path.name, path, r, alpha, rslora, targets, weights)
+    return LoraAdapter(name or path.name, path, config.alpha, config.use_rslora, config.targets,
+                       weights, ranks, scalings)
 
 
 @dataclass(frozen=True)
@@ -265,13 +367,15 @@ def check_adapter(adapter: LoraAdapter, targets: list[LoraTarget], max_rank: int
     """Check that ``adapter`` fits the model and the feature's settings.
 
     Raises:
-        ConfigError: rank above ``max_rank``, or a module the feature does not adapt.
+        ConfigError: a module's rank above ``max_rank``, or a module the feature does not adapt.
         WeightLoadError: a layer index or a shape that contradicts the base model.
     """
     where = f"LoRA adapter {adapter.name!r} ({str(adapter.path)!r})"
     if adapter.rank > max_rank:
-        raise ConfigError(f"{where}: rank {adapter.rank} exceeds max_rank {max_rank}; raise the "
-                          "feature's 'max_rank' setting")
+        layer, module = min(k for k, r in adapter.ranks.items() if r == adapter.rank)
+        raise ConfigError(f"{where}: rank {adapter.rank} exceeds max_rank {max_rank} (the "
+                          f"largest module rank: layer {layer} {module}); raise the feature's "
+                          "'max_rank' setting")
     by_part = {(t.layer, p): (t, t.parts.index(p)) for t in targets for p in t.enabled}
     enabled = {p for t in targets for p in t.enabled}
     for (layer, module), (a, b) in adapter.weights.items():
@@ -283,7 +387,8 @@ def check_adapter(adapter: LoraAdapter, targets: list[LoraTarget], max_rank: int
                               f"not target (enabled: {sorted(enabled)}); set the feature's "
                               "'target_modules'")
         target, j = by_part[(layer, module)]
-        want_a, want_b = (adapter.rank, target.in_features), (target.part_sizes[j], adapter.rank)
+        r = adapter.ranks[(layer, module)]
+        want_a, want_b = (r, target.in_features), (target.part_sizes[j], r)
         if tuple(a.shape) != want_a or tuple(b.shape) != want_b:
             raise WeightLoadError(f"{where}: layer {layer} {module} has A {list(a.shape)} and B "
                                   f"{list(b.shape)}; the base model needs A {list(want_a)} and "
@@ -294,13 +399,20 @@ def pack_adapter(adapter: LoraAdapter | None, target: LoraTarget, max_rank: int,
                  scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """The packed ``(A [E * max_rank, in], B [out_total, E * max_rank])`` of one target (``E``
     enabled parts), fp32 on the CPU (see the module docstring). Parts the adapter does not adapt
-    stay zero.
+    stay zero; a part of rank ``r < max_rank`` fills the first ``r`` rows / columns of its block.
+
+    A part's B is multiplied by ``scale * adapter.relative_scaling(part)``: with the adapter's
+    shrink scaled by ``adapter.scaling`` (or ``scale = adapter.scaling``), each part's delta gets
+    its own scaling.
 
     Args:
-        adapter: the adapter (``None``: all zeros).
+        adapter: the adapter (``None``: all zeros), checked by :func:`check_adapter`.
         target: the model linear.
         max_rank: the padded rank ``R`` of each part.
         scale: multiplies B (the single-adapter path folds the scaling in).
+
+    Raises:
+        ValueError: a part's rank exceeds ``max_rank``.
     """
     width = target.width(max_rank)
     a_packed = torch.zeros(width, target.in_features)
@@ -309,12 +421,17 @@ def pack_adapter(adapter: LoraAdapter | None, target: LoraTarget, max_rank: int,
         return a_packed, b_packed
     row = 0
     for part, size in zip(target.parts, target.part_sizes):
-        pair = adapter.weights.get((target.layer, part))
+        key = (target.layer, part)
+        pair = adapter.weights.get(key)
         if pair is not None and part in target.enabled:
             a, b = pair
+            r = adapter.ranks[key]
+            if r > max_rank:
+                raise ValueError(f"pack_adapter: layer {target.layer} {part} has rank {r} > "
+                                 f"max_rank {max_rank} (check_adapter refuses such adapters)")
             r0 = target.enabled.index(part) * max_rank
-            a_packed[r0:r0 + adapter.rank] = a
-            b_packed[row:row + size, r0:r0 + adapter.rank] = b * scale
+            a_packed[r0:r0 + r] = a
+            b_packed[row:row + size, r0:r0 + r] = b * (scale * adapter.relative_scaling(key))
         row += size
     return a_packed, b_packed
 
