@@ -77,7 +77,7 @@ def _load(args: argparse.Namespace, in_process: bool = True):
     ``EngineProcess`` (the same model in a child process)."""
     options = dict(max_model_len=args.max_model_len, module_map=args.module_map,
                    settings_overrides=_settings_overrides(args), loras=_loras(args.lora),
-                   dist_timeout=args.dist_timeout)
+                   single_lora=args.single_lora, dist_timeout=args.dist_timeout)
     if not in_process:
         from tgraph.runtime.engine_process import EngineProcess
 
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--lora", action="append", metavar="NAME=DIR",
                      help="load a PEFT LoRA adapter (repeatable)")
     gen.add_argument("--use-lora", metavar="NAME", help="adapter the prompts use")
+    gen.add_argument("--single-lora", metavar="DIR",
+                     help="a PEFT LoRA adapter applied to every prompt (stacks with --use-lora)")
     gen.add_argument("--rules", metavar="FILE", help="YAML injection rules (see configs/rules/)")
     gen.add_argument("--profile", metavar="FILE",
                      help="write a Chrome trace (torch profiler; rank 0 under torchrun)")
@@ -232,6 +234,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "engine thread (default: Python's 0.005)")
     srv.add_argument("--lora", action="append", metavar="NAME=DIR",
                      help="load a PEFT LoRA adapter, served as model NAME (repeatable)")
+    srv.add_argument("--single-lora", metavar="DIR",
+                     help="a PEFT LoRA adapter applied to every request (stacks with the one a "
+                          "request names)")
     srv.add_argument("--max-model-len", type=int)
     srv.add_argument("--rules", metavar="FILE", help="YAML injection rules (see configs/rules/)")
     srv.add_argument("--dist-timeout", type=float, metavar="SECONDS",

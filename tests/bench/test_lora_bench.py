@@ -107,7 +107,7 @@ def test_measure_lora_decode_smoke_cpu():
     r = measure_lora_decode(TINY, batch=8, context=16, max_loras=4, rank=4,
                             dtype=torch.float32, device="cpu", warmup=1, iters=2)
     assert not r.skipped, r.skipped
-    assert set(r.decode_ms) == {"base", "multi_lora", "single_lora"}
+    assert set(r.decode_ms) == {"base", "multi_lora", "single_lora", "single+multi"}
     assert all(ms > 0 for ms in r.decode_ms.values())
     assert r.ratios["base"] == 1.0
     # no CUDA graphs on CPU, and the result says so
@@ -117,7 +117,8 @@ def test_measure_lora_decode_smoke_cpu():
     # ... and single and multi agree on the shared adapter (fp32, summation order only)
     assert r.single_vs_multi is not None and r.single_vs_multi <= REL_TOL
     out = json.loads(json.dumps(r.to_json()))
-    assert out["captured"] == {"base": False, "multi_lora": False, "single_lora": False}
+    assert out["captured"] == {"base": False, "multi_lora": False, "single_lora": False,
+                               "single+multi": False}
     with pytest.raises(ValueError, match="expected positive ints"):
         measure_lora_decode(TINY, batch=0, device="cpu")
 
@@ -136,7 +137,8 @@ def test_profiles_come_after_every_system_is_timed(capsys, monkeypatch):
     r = measure_lora_decode(TINY, batch=4, context=16, max_loras=2, rank=4,
                             dtype=torch.float32, device="cpu", warmup=1, iters=1, profile=True)
     assert not r.skipped, r.skipped
-    assert events == ["time"] * 3 + [f"profile {s}" for s in ("base", "multi_lora", "single_lora")]
+    assert events == ["time"] * 4 + [f"profile {s}" for s in ("base", "multi_lora", "single_lora",
+                                                                     "single+multi")]
 
 
 def test_bench_lora_subcommand_needs_cuda(capsys):

@@ -222,17 +222,7 @@ def test_engines_built_per_feature_combination(lora_setup):
                                   (True, ("single_lora",)), (False, ("single_lora",))}
 
 
-def test_single_and_multi_in_one_batch_refused(lora_setup):
-    tm, root, _ = lora_setup
-    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8},
-                                         "multi_lora": {"max_rank": 8}})
-    model.features["single_lora"].load("qv", root / "qv")
-    model.features["single_lora"].activate("qv")
-    model.features["multi_lora"].load("mlp", root / "mlp")
-    with pytest.raises(ConfigError,
-                       match="'single_lora' and 'multi_lora' cannot be used in one batch"):
-        run_steps(model, PROMPTS[:2], [None, "mlp"], steps=0)
-    assert not model.engines
+# Single and multi in one batch (stacked): tests/models/test_lora_stacking.py.
 
 
 # ---- bad adapters --------------------------------------------------------------------------------

@@ -77,7 +77,7 @@ def main(argv=None) -> int:
     if args.what == "lora":
         from tgraph.bench.lora import run_lora_bench
 
-        run_lora_bench(args.presets, args.batches or [16], args.json, profile=args.profile)
+        run_lora_bench(args.presets, args.batches or [1, 16, 64], args.json, profile=args.profile)
     return 0
 
 

@@ -8,7 +8,9 @@ at context 512:
 * ``base``: no adapter (the engine without LoRA inputs);
 * ``multi_lora``: a mixed batch, request ``i`` using adapter ``i % max_loras`` (4 adapters x 4
   requests at batch 16: every slot is live and tokens of one adapter are not contiguous);
-* ``single_lora``: one adapter applied to every request.
+* ``single_lora``: one adapter applied to every request;
+* ``single+multi``: both stacked, the mixed multi-LoRA batch with a single adapter active for
+  every request (one engine built for the combination).
 
 Every adapted linear runs as one GEMM on ``[x | shrink]`` and the weight storage ``[W | B
 columns]`` (see :mod:`tgraph.models.base.lora_features`); the base model runs on a view of the
@@ -50,7 +52,10 @@ BATCH = 16
 MAX_LORAS = 4
 RANK = 16
 DEFAULT_PRESET = "llama-3.2-1b"
-SYSTEMS = ("base", "multi_lora", "single_lora")
+SYSTEMS = ("base", "multi_lora", "single_lora", "single+multi")
+# system -> the features of its engine
+_FEATURES = {"base": (), "multi_lora": ("multi_lora",), "single_lora": ("single_lora",),
+             "single+multi": ("multi_lora", "single_lora")}
 
 # PEFT module name -> the decoder-layer submodule that holds it (HF Llama-like layout).
 _PARENTS: dict[str, str] = {
@@ -230,7 +235,8 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
                         dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
                         warmup: int = 3, iters: int = 30, preset_name: str = "custom",
                         cuda_graph: bool = True, profile: bool = False) -> LoraBenchResult:
-    """Time one decode step of the base model, a mixed multi-LoRA batch and a single adapter.
+    """Time one decode step of the base model, a mixed multi-LoRA batch, a single adapter, and
+    both stacked.
 
     Builds the model of ``hf_config`` with random weights and both LoRA features, writes
     ``max_loras`` random rank-``rank`` PEFT adapters to a temporary directory, loads them, and
@@ -288,10 +294,11 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
     _sync(device)
     result.capture_s = time.perf_counter() - start
 
-    meta = decode_batch(batch, context, block_size)
+    meta = decode_batch(batch, context, block_size, config.vocab_size)
     mixed = dataclasses.replace(meta, loras=[names[i % max_loras] for i in range(batch)])
     # system -> (batch, the single adapter active during its steps)
-    runs = {"base": (meta, None), "multi_lora": (mixed, None), "single_lora": (meta, names[0])}
+    runs = {"base": (meta, None), "multi_lora": (mixed, None), "single_lora": (meta, names[0]),
+            "single+multi": (mixed, names[0])}
     logits: dict[str, torch.Tensor] = {}
     for system, (batch_meta, active) in runs.items():
         single.activate(active)
@@ -304,8 +311,7 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
             result.first_step_s[system] = time.perf_counter() - start
             logits[system] = out.float().cpu()
             result.decode_ms[system] = _median_ms(step, device, warmup, iters)
-            features = () if system == "base" else (system,)
-            engine = model.engines.get((False, features))
+            engine = model.engines.get((False, _FEATURES[system]))
             result.captured_signatures[system] = int(getattr(engine, "captured_signatures", 0))
             if device.type == "cuda" and engine is not None and engine.captured_graphs:
                 from tgraph.bench.timing import host_ms, time_ms
@@ -329,12 +335,15 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
                 single.activate(None)
 
     if "base" in logits:
-        for system in ("multi_lora", "single_lora"):
+        for system in SYSTEMS[1:]:
             if system in logits:
                 result.logit_change[system] = _rel(logits[system], logits["base"])
     if "multi_lora" in logits and "single_lora" in logits:
         rows = torch.arange(0, batch, max_loras)  # the requests that used names[0]
         result.single_vs_multi = _rel(logits["single_lora"][rows], logits["multi_lora"][rows])
+    if "single+multi" in logits and "multi_lora" in logits:
+        result.logit_change["single+multi vs multi"] = _rel(logits["single+multi"],
+                                                            logits["multi_lora"])
     return result
 
 
@@ -380,12 +389,15 @@ def print_table(results: Sequence[LoraBenchResult]) -> None:
                   f"{'-' if change is None else f'{change:.3f}':>13}")
         if r.single_vs_multi is not None:
             print(f"  single vs multi, same adapter: {r.single_vs_multi:.2e} relative")
+        stacked = r.logit_change.get("single+multi vs multi")
+        if stacked is not None:
+            print(f"  single+multi vs multi: {stacked:.3f} relative (the single adapter's delta)")
         for system, change in r.logit_change.items():
             if change == 0.0:
                 print(f"  WARNING {system}: logits equal the base model's; adapters had no effect")
 
 
-def run_lora_bench(presets: Sequence[str] | None = None, batches: Sequence[int] = (BATCH,),
+def run_lora_bench(presets: Sequence[str] | None = None, batches: Sequence[int] = (1, 16, 64),
                    json_path: str | None = None, profile: bool = False) -> list[LoraBenchResult]:
     """The ``python -m tgraph.bench lora`` entry point (needs CUDA).
 

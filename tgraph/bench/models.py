@@ -94,16 +94,18 @@ def captured_decode(model, batch: int) -> BatchMeta:
     return meta
 
 
-def bench_token(i: int) -> int:
+def bench_token(i: int, vocab: int = 32000) -> int:
     """The ``i``-th token of a bench batch: distinct tokens, so a MoE router spreads them over
-    its experts as real text does (one repeated token would route every row alike)."""
-    return 1 + (i * 7919) % 31999  # below every preset's vocabulary size
+    its experts as real text does (one repeated token would route every row alike); the
+    default ``vocab`` is below every preset's vocabulary size."""
+    return 1 + (i * 7919) % (vocab - 1)
 
 
-def decode_batch(b: int, ctx: int, block_size: int) -> BatchMeta:
+def decode_batch(b: int, ctx: int, block_size: int, vocab: int = 32000) -> BatchMeta:
     per = -(-(ctx + 1) // block_size)
     tables = [list(range(i * per, (i + 1) * per)) for i in range(b)]
-    return BatchMeta(input_ids=[bench_token(i) for i in range(b)], position_ids=[ctx - 1] * b,
+    return BatchMeta(input_ids=[bench_token(i, vocab) for i in range(b)],
+                     position_ids=[ctx - 1] * b,
                      slots_mapping=[t[(ctx - 1) // block_size] * block_size + (ctx - 1) % block_size
                             for t in tables],
                      query_lens=[1] * b, seq_len=[ctx] * b, block_table=tables, is_prefill=False)

@@ -86,15 +86,20 @@ class Engine:
     Triton kernels (and cuBLAS) writing into one arena per device planned by liveness; ``"auto"``
     (default) picks ``triton`` for CUDA inputs and ``reference`` otherwise. ``tuning`` holds the
     kernels' launch settings (:class:`~tgraph.tuning.Tuning`; the measured defaults when None).
+    ``features`` names the feature decorators (e.g. LoRA) the network was recorded with, shown by
+    ``str(engine)``.
     """
 
     def __init__(self, net: Network, pass_records: Sequence[PassRecord] = (),
                  backend: str = "auto", declared_inputs: Sequence[Value] | None = None,
-                 tuning: Tuning | None = None) -> None:
+                 tuning: Tuning | None = None, features: Sequence[str] = ()) -> None:
         if backend not in BACKENDS:
             raise GraphError(f"unknown backend {backend!r}; expected one of {BACKENDS}")
+        if isinstance(features, str) or not all(isinstance(f, str) for f in features):
+            raise GraphError(f"features must be a sequence of feature names, got {features!r}")
         self.net = net
         self.backend = backend
+        self.features: tuple[str, ...] = tuple(features)
         if tuning is not None and not isinstance(tuning, Tuning):
             raise GraphError(f"tuning must be a tgraph.tuning.Tuning, got {type(tuning).__name__}"
                              " (tgraph.config.tuning_of(settings) builds one from settings)")
@@ -653,6 +658,7 @@ class Engine:
         if self.placement is not None:
             lines[0] += f", devices {', '.join(self.placement.devices)} " \
                         f"(main {self.placement.main})"
+        lines.append(f"  features: {', '.join(self.features) or 'none'}")
         for spec in self.specs.values():
             lines.append(f"  input  {spec.describe()}")
         labels = self.net.local_labels()
@@ -672,7 +678,8 @@ class Engine:
 
 
 def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence[str] = (),
-                 backend: str = "auto", tuning: Tuning | None = None) -> Engine:
+                 backend: str = "auto", tuning: Tuning | None = None,
+                 features: Sequence[str] = ()) -> Engine:
     """Build an :class:`Engine` from ``net``.
 
     Args:
@@ -681,6 +688,8 @@ def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence
         disabled_passes: pass names to skip (``llm.engine.disabled_passes``).
         backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see :class:`Engine`).
         tuning: the kernels' launch settings (``llm.engine.tuning``; defaults when None).
+        features: the feature decorators the network was recorded with (``str(engine)`` lists
+            them).
     Returns:
         the engine. If ``net`` is the default network, the default is fresh afterwards.
     """
@@ -693,6 +702,7 @@ def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence
         raise GraphError(f"network {net.name!r} has no outputs; call mark_output(tensor, name)")
     work, _ = net.clone()
     records = PassManager(default_pipeline(), disabled_passes).run(work) if passes else []
-    engine = Engine(work, records, backend=backend, declared_inputs=net.inputs, tuning=tuning)
+    engine = Engine(work, records, backend=backend, declared_inputs=net.inputs, tuning=tuning,
+                    features=features)
     release_if_default(net)
     return engine

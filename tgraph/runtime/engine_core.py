@@ -912,7 +912,21 @@ class EngineCore:
                 raise InvalidRequestError(
                     f"request {rid!r}: SamplingParams.lora: LoRA adapter {params.lora!r} is "
                     f"not loaded; expected one of {sorted(multi.slots)}")
+        if (params.logit_bias is not None or params.allowed_token_ids is not None
+                or params.allowed_token_ids_fn is not None):
+            self._check_logit_bias(rid, params)
         return request
+
+    def _check_logit_bias(self, rid: str, params: SamplingParams) -> None:
+        if "logit_bias" not in getattr(self.model, "features", {}):
+            raise ConfigError(f"request {rid!r} has a logit bias or allow-list, but "
+                              f"{type(self.model).__name__} has no logit_bias feature")
+        self._check_token_ids(rid, params.token_ids_named(),
+                              "SamplingParams.logit_bias / allowed_token_ids")
+        if params.allowed_token_ids_fn is not None and self._loop.world_size > 1:
+            raise InvalidRequestError(
+                f"request {rid!r}: SamplingParams.allowed_token_ids_fn runs on rank 0 only and "
+                "cannot be sent to the other tensor-parallel ranks; give allowed_token_ids")
 
     def _check_token_ids(self, rid: str, ids: Sequence[int], field: str) -> None:
         """Refuse token ids outside the model's vocabulary (they would index past the

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tgraph.errors import ConfigError
+from tgraph.errors import ConfigError, InvalidRequestError
 from tgraph.runtime.engine_core import (
     EngineClosedError,
     EngineStats,
@@ -55,6 +55,7 @@ class _Ready:
     num_blocks: int
     block_size: int
     stats: EngineStats
+    vocab_size: int
 
 
 class EngineProcess:
@@ -154,6 +155,15 @@ class _RemoteEngine:
         if params.lora is not None and params.lora not in r.adapters:
             raise ValueError(f"request {request_id!r}: LoRA adapter {params.lora!r} is not "
                              f"loaded; loaded: {sorted(r.adapters)}")
+        named = [t for t in params.token_ids_named() if t >= r.vocab_size]
+        if named:
+            raise InvalidRequestError(
+                f"request {request_id!r}: SamplingParams.logit_bias / allowed_token_ids holds "
+                f"token id(s) {named[:8]}; expected ids below the vocabulary size {r.vocab_size}")
+        if params.allowed_token_ids_fn is not None:
+            raise InvalidRequestError(
+                f"request {request_id!r}: SamplingParams.allowed_token_ids_fn cannot be sent to "
+                "an engine in another process; give allowed_token_ids, or use an in-process LLM")
         sink = UpdateQueue()
         self._sinks[request_id] = sink
         stream = RequestStream(self, [request], sink, self)
@@ -265,7 +275,8 @@ def _child_main(conn: Any, model_dir: str, config: Any, options: dict[str, Any])
     allocator = scheduler.allocator
     conn.send(("ready", _Ready(llm.tokenizer, list(llm.eos_token_ids), llm.adapters,
                                scheduler.max_model_len, allocator.num_blocks,
-                               allocator.block_size, engine.stats())))
+                               allocator.block_size, engine.stats(),
+                               llm.model.config.vocab_size)))
     sink = UpdateQueue()  # every request's updates, in the order the loop produced them
     send_lock = threading.Lock()
     forwarder = threading.Thread(target=_forward, args=(conn, sink, engine, send_lock),

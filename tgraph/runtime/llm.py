@@ -84,6 +84,9 @@ class LLM:
         module_map: a Python file registering custom models.
         loras: LoRA adapters (PEFT directories) by name, loaded into the multi-LoRA feature; a
             request picks one with ``SamplingParams(lora=NAME)`` or ``generate(..., lora=NAME)``.
+        single_lora: a PEFT adapter directory applied to every request (e.g. a domain
+            fine-tune), stacked with the adapter a request names; swap it with
+            :meth:`set_single_lora`.
         dist_timeout: seconds a tensor-parallel rank waits in a collective for the others before
             failing (default 300); only used under torchrun with more than one rank.
         overrides: settings by dotted key (``{"llm.engine.graph": "eager"}``) or by short name
@@ -107,7 +110,8 @@ class LLM:
     def __init__(self, model_dir: str | Path, config: str | Path | Settings | None = None, *,
                  tokenizer: Any = None, max_model_len: int | None = None,
                  module_map: str | Path | None = None, settings_overrides: Sequence[str] = (),
-                 loras: dict[str, str | Path] | None = None, dist_timeout: float | None = None,
+                 loras: dict[str, str | Path] | None = None,
+                 single_lora: str | Path | None = None, dist_timeout: float | None = None,
                  **overrides: Any) -> None:
         mapped = {}
         for key, value in overrides.items():
@@ -161,6 +165,9 @@ class LLM:
         # otherwise drop the decode graphs captured below.
         for name, path in (loras or {}).items():
             self.load_lora(name, path)
+        self._single_lora: str | None = None
+        if single_lora is not None:
+            self.set_single_lora(single_lora)
         c = self.model.llm_config
         if c.device.type == "cuda":
             # A dropped LLM's weights and arenas sit in reference cycles until the garbage
@@ -247,6 +254,35 @@ class LLM:
     def unload_lora(self, name: str) -> None:
         """Unload an adapter (requests still naming it fail)."""
         self._on_engine(lambda: self.model.features["multi_lora"].unload(name))
+
+    def set_single_lora(self, path: str | Path | None) -> None:
+        """Apply the PEFT adapter at ``path`` to every request from the next step on, stacked
+        with the adapter a request names (``None``: no such adapter). The previous one is
+        unloaded; no engine is built or rebuilt for a switch. An adapter that cannot load
+        raises and leaves the previous one in place.
+
+        Under tensor parallelism every rank makes the same call (see the module doc).
+        """
+        features = getattr(self.model, "features", {})
+        if "single_lora" not in features:
+            raise ConfigError(f"{type(self.model).__name__} has no single-LoRA feature")
+        single = features["single_lora"]
+        name = None if path is None else str(path)
+
+        def change() -> None:
+            if name is not None:
+                single.load(name, path)
+            single.activate(name)
+            for old in [n for n in single.adapters if n != name]:
+                single.unload(old)
+            self._single_lora = name
+
+        self._on_engine(change)
+
+    @property
+    def single_lora(self) -> str | None:
+        """The directory of the adapter applied to every request (:meth:`set_single_lora`)."""
+        return self._single_lora
 
     def _on_engine(self, change) -> None:
         """Change the model between two steps of the engine (directly before it exists); an

@@ -11,12 +11,13 @@ from dataclasses import dataclass
 
 import torch
 
-from tgraph.errors import TGraphError
+from tgraph.errors import InvalidRequestError, TGraphError
 from tgraph.models.base.batch import BatchMeta
+from tgraph.models.base.logit_bias import LogitBias
 from tgraph.nn import distributed
 from tgraph.runtime.sampler import PenaltyHistory, Sampler, TokenLogprobs
 from tgraph.runtime.sampling_params import SamplingParams
-from tgraph.runtime.scheduler import SchedulerOutput
+from tgraph.runtime.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -27,18 +28,42 @@ class StepResult:
     logprobs: dict[str, TokenLogprobs | None]
 
 
-def batch_from_schedule(out: SchedulerOutput) -> BatchMeta:
-    """The model's view of a scheduler step (decodes and prefill chunks packed in order)."""
+def batch_from_schedule(out: SchedulerOutput, vocab_size: int | None = None) -> BatchMeta:
+    """The model's view of a scheduler step (decodes and prefill chunks packed in order).
+
+    Args:
+        out: the scheduler's step.
+        vocab_size: the model's vocabulary, which the token ids of per-step allow-lists
+            (``SamplingParams.allowed_token_ids_fn``) must lie in.
+
+    Raises:
+        InvalidRequestError: a request's ``allowed_token_ids_fn`` failed or returned no valid
+            allow-list (named with the request).
+    """
     scheduled = out.scheduled
     is_prefill = bool(out.prefills)
     indices = out.lm_head_indices() if is_prefill else None
     if is_prefill and not indices:
         indices = [out.num_batched_tokens - 1]  # nothing is sampled; keep the head's shape valid
+    biases = [_logit_bias(s, vocab_size) for s in scheduled]
     return BatchMeta(
         input_ids=out.flat_token_ids(), position_ids=out.flat_position_ids(),
         slots_mapping=out.flat_slots_mapping(), query_lens=[s.query_len for s in scheduled],
         seq_len=out.seq_len(), block_table=[s.block_table for s in scheduled],
-        lm_head_indices=indices, is_prefill=is_prefill, loras=[s.lora for s in scheduled])
+        lm_head_indices=indices, is_prefill=is_prefill, loras=[s.lora for s in scheduled],
+        logit_bias=biases if any(b is not None for b in biases) else None)
+
+
+def _logit_bias(s: ScheduledRequest, vocab_size: int | None) -> LogitBias | None:
+    """What a scheduled request adds to the logits it is sampled from (``None`` when it has no
+    bias or is not sampled this step)."""
+    params = s.request.sampling_params
+    if params is None or not s.needs_logits:
+        return None
+    try:
+        return params.logit_bias_for(s.request.output_token_ids, vocab_size)
+    except Exception as err:
+        raise InvalidRequestError(f"request {s.request_id!r}: {err}") from err
 
 
 class RankFailedError(TGraphError, RuntimeError):
@@ -59,6 +84,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         c = model.llm_config
         self.rank, self.world_size = c.rank, c.world_size
+        self.vocab_size = c.model.vocab_size
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduler step and return the next token of every request that has logits.
@@ -66,7 +92,7 @@ class ModelRunner:
         Raises:
             RankFailedError: on ranks other than 0, when rank 0 failed to sample this step.
         """
-        batch = batch_from_schedule(out)
+        batch = batch_from_schedule(out, self.vocab_size)
         logits = self.model.run(batch)
         wanted = [s for s in out.scheduled if s.needs_logits]
         if not wanted:

@@ -2,10 +2,11 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tgraph.errors import InvalidRequestError, InvalidRequestTypeError
+from tgraph.models.base.logit_bias import BIAS_LIMIT, LogitBias
 
 SEED_LIMIT = 2**64
 """Seeds lie in ``[0, 2**64)``: the sampler mixes them as 64-bit words, so a larger one would
@@ -47,6 +48,22 @@ class SamplingParams:
         logprobs: ``None`` returns no log-probabilities; ``n >= 0`` returns the sampled token's
             log-probability plus the ``n`` most likely tokens' at every step.
         lora: name of the LoRA adapter to run this request with, or ``None`` for the base model.
+        logit_bias: OpenAI's ``logit_bias``: ``{token id: bias}`` added to those tokens' logits
+            before sampling, biases in ``[-100, 100]`` (``-100`` all but bans a token, ``100``
+            all but forces it). Keys may be ints or decimal strings (as OpenAI's JSON sends
+            them); they are stored as ints.
+        allowed_token_ids: the only tokens this request may generate (the others' logits become
+            ``-inf``); non-empty. ``None`` allows every token.
+        allowed_token_ids_fn: for constrained decoding (e.g. a grammar): called before every
+            generated token with the tokens generated so far, it returns that step's
+            allow-list (``None``: no restriction at that step). Runs on the engine's thread, so
+            it must be quick; only for an in-process engine (``LLM``, ``EngineCore``) without
+            tensor parallelism. Not together with ``allowed_token_ids``.
+
+    The bias and the allow-list are added to the model's logits inside its engine (see
+    :mod:`tgraph.models.base.logit_bias`): the sampler sees the biased logits, so penalties,
+    temperature, top-k / top-p / min-p and greedy's argmax all apply to them, and reported
+    log-probabilities are those of the biased distribution.
     """
 
     temperature: float = 1.0
@@ -63,6 +80,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     lora: str | None = None
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    allowed_token_ids_fn: Callable[[list[int]], Iterable[int] | None] | None = None
 
     def __post_init__(self) -> None:
         # A single stop string is the common OpenAI spelling; store lists only.
@@ -71,7 +91,16 @@ class SamplingParams:
         self.stop = _as_list("stop", self.stop, "a string or a list of strings")
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
                                        "a list of token ids (ints >= 0)")
+        self.logit_bias = _logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _as_list("allowed_token_ids", self.allowed_token_ids,
+                                              "a list of token ids (ints >= 0)")
         self._validate()
+        self._validate_bias()
+        # What every step adds to the logits when no allowed_token_ids_fn changes it; not a
+        # dataclass field (asdict and the equality compare the fields only).
+        self._static_bias = None if self.logit_bias is None and self.allowed_token_ids is None \
+            else LogitBias(self.logit_bias, self.allowed_token_ids)
 
     def _validate(self) -> None:
         for name in ("temperature", "top_p", "min_p", "repetition_penalty",
@@ -122,6 +151,57 @@ class SamplingParams:
             raise InvalidRequestError(
                 f"SamplingParams.lora must be a non-empty adapter name or None, got {self.lora!r}")
 
+    def _validate_bias(self) -> None:
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidRequestError(
+                    "SamplingParams.allowed_token_ids is empty: no token could be generated; "
+                    "give at least one token id, or None to allow every token")
+            _check_ids("allowed_token_ids", self.allowed_token_ids)
+        if self.allowed_token_ids_fn is not None:
+            if not callable(self.allowed_token_ids_fn):
+                raise InvalidRequestTypeError(
+                    "SamplingParams.allowed_token_ids_fn must be a callable (tokens generated so "
+                    f"far -> allowed token ids), got {type(self.allowed_token_ids_fn).__name__}")
+            if self.allowed_token_ids is not None:
+                raise InvalidRequestError(
+                    "SamplingParams.allowed_token_ids and allowed_token_ids_fn are exclusive: "
+                    "give the fixed list or the per-step function")
+
+    def token_ids_named(self) -> list[int]:
+        """Every token id the fixed bias and allow-list name (checked against the vocabulary
+        at submission)."""
+        return sorted({*(self.logit_bias or {}), *(self.allowed_token_ids or ())})
+
+    def logit_bias_for(self, output_token_ids: Sequence[int],
+                       vocab_size: int | None = None) -> LogitBias | None:
+        """What this request adds to its next-token logits after ``output_token_ids``.
+
+        Args:
+            output_token_ids: the tokens generated so far (given to ``allowed_token_ids_fn``).
+            vocab_size: the model's vocabulary; the function's token ids must lie below it.
+
+        Returns:
+            The bias, or ``None`` when the logits are left as they are.
+
+        Raises:
+            InvalidRequestError: ``allowed_token_ids_fn`` returned no token, or ids that are not
+                token ids of the vocabulary.
+        """
+        fn = self.allowed_token_ids_fn
+        if fn is None:
+            return self._static_bias
+        allowed = fn(list(output_token_ids))
+        if allowed is None:
+            return self._static_bias
+        allowed = _as_list("allowed_token_ids_fn's result", allowed, "token ids (ints >= 0)")
+        if not allowed:
+            raise InvalidRequestError(
+                "SamplingParams.allowed_token_ids_fn returned an empty allow-list after "
+                f"{len(output_token_ids)} tokens: no token could be generated")
+        _check_ids("allowed_token_ids_fn's result", allowed, vocab_size)
+        return LogitBias(self.logit_bias, allowed)
+
     @property
     def greedy(self) -> bool:
         """Whether this request takes the argmax (temperature 0)."""
@@ -132,6 +212,40 @@ class SamplingParams:
         """Whether any of the repetition / frequency / presence penalties is active."""
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+def _check_ids(name: str, ids: Iterable[object], vocab_size: int | None = None) -> None:
+    bad = [t for t in ids if not _is_int(t) or t < 0
+           or (vocab_size is not None and t >= vocab_size)]
+    if bad:
+        limit = "" if vocab_size is None else f" below the vocabulary size {vocab_size}"
+        raise InvalidRequestError(
+            f"SamplingParams.{name} must hold token ids (ints >= 0{limit}), got {bad[:8]!r}")
+
+
+def _logit_bias(value: object) -> dict[int, float] | None:
+    """``logit_bias`` with int keys (OpenAI's JSON sends decimal strings), checked."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise InvalidRequestTypeError(
+            "SamplingParams.logit_bias must be a mapping {token id: bias}, got "
+            f"{type(value).__name__} {value!r:.60}")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        token = key
+        if isinstance(key, str) and key.isascii() and key.isdigit():
+            token = int(key)
+        if not _is_int(token) or token < 0:
+            raise InvalidRequestError(
+                "SamplingParams.logit_bias keys must be token ids (ints >= 0, or their decimal "
+                f"strings), got {key!r}")
+        if not _is_real(bias) or not math.isfinite(bias) or not -BIAS_LIMIT <= bias <= BIAS_LIMIT:
+            raise InvalidRequestError(
+                f"SamplingParams.logit_bias[{token}] is {bias!r}; expected a number in "
+                f"[-{BIAS_LIMIT:g}, {BIAS_LIMIT:g}]")
+        out[token] = float(bias)
+    return out or None
 
 
 def _as_list(name: str, value: object, expected: str) -> list:

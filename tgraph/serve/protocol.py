@@ -48,6 +48,9 @@ class _Request(BaseModel):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     ignore_eos: bool = False
+    # OpenAI's {"token id": bias in [-100, 100]}; SamplingParams checks the keys and range.
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None  # extension (as vLLM's): the only tokens allowed
     return_token_ids: bool = False  # extension: token ids in every choice and chunk
     user: str | None = None
 
@@ -117,8 +120,9 @@ def sampling_params(request: _Request, lora: str | None, default_max_tokens: int
             frequency_penalty=request.frequency_penalty,
             repetition_penalty=request.repetition_penalty,
             max_tokens=max_tokens or default_max_tokens, stop=stop,
-            ignore_eos=request.ignore_eos, logprobs=logprobs, lora=lora)
+            ignore_eos=request.ignore_eos, logprobs=logprobs, lora=lora,
+            logit_bias=request.logit_bias, allowed_token_ids=request.allowed_token_ids)
     except ValueError as err:
         message = str(err)
-        field = message.split(" ", 1)[0].removeprefix("SamplingParams.")
+        field = message.split(" ", 1)[0].removeprefix("SamplingParams.").split("[", 1)[0]
         raise APIError(400, message, field) from None

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tgraph.models.base.logit_bias import LogitBias
 
 
 @dataclass
@@ -21,6 +25,8 @@ class BatchMeta:
             sequence at its last token.
         is_prefill: ``False`` only when every sequence decodes exactly one token.
         loras: the adapter name per sequence (``None``: base model).
+        logit_bias: what each sequence adds to its next-token logits (``None``: nothing; see
+            :mod:`tgraph.models.base.logit_bias`).
     """
 
     input_ids: Sequence[int]
@@ -32,6 +38,7 @@ class BatchMeta:
     lm_head_indices: Sequence[int] | None = None
     is_prefill: bool = True
     loras: Sequence[str | None] | None = None
+    logit_bias: Sequence[LogitBias | None] | None = None
     extra: dict = field(default_factory=dict)
 
     @property
@@ -83,6 +90,7 @@ def pad_decode(meta: BatchMeta, batch: int) -> BatchMeta:
         block_table=list(meta.block_table) + [[]] * extra,
         lm_head_indices=None, is_prefill=False,
         loras=None if meta.loras is None else list(meta.loras) + [None] * extra,
+        logit_bias=None if meta.logit_bias is None else list(meta.logit_bias) + [None] * extra,
         extra=dict(meta.extra))
 
 

@@ -24,11 +24,14 @@ class FeatureDecorator:
         name: unique name (also the key in ``LlmConfig.features`` for its settings).
         needs_engine: the feature records graphs of its own (False: it only fills inputs).
         compatible_with: names of features it may share a graph with.
+        pads_prefill: its batch arrays can be padded for a prefill CUDA graph
+            (:meth:`padded_batch_arrays`); otherwise prefills of its engines run uncaptured.
     """
 
     name: str = ""
     needs_engine: bool = True
     compatible_with: frozenset[str] = frozenset()
+    pads_prefill: bool = False
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         self.model = model
@@ -44,6 +47,12 @@ class FeatureDecorator:
 
     def exit_graph(self) -> None:
         """Undo :meth:`enter_graph`."""
+
+    def transform_outputs(self, outputs: dict[str, Tensor],
+                          inputs: dict[str, Any]) -> dict[str, Tensor]:
+        """The recorded outputs, changed by the feature (e.g. a bias added to ``model_out``);
+        ``inputs`` are the graph's symbolic inputs, the feature's own included."""
+        return outputs
 
     # ---- running --------------------------------------------------------------------------------
     def is_used(self, batch: BatchMeta) -> bool:
@@ -62,6 +71,24 @@ class FeatureDecorator:
 
         They are sent to the device together with the model's own batch inputs, in one copy."""
         return {}
+
+    def update_model_inputs(self, batch: BatchMeta) -> tuple[dict[str, torch.Tensor],
+                                                             dict[str, torch.Tensor],
+                                                             dict[str, Any]]:
+        """The feature's part of the model-inputs hook (``FlashCausalLM._update_model_inputs``)
+        for a batch its engine runs: updates to the engine's inputs, outputs and runtime params.
+
+        Inputs given here are tensors on the model's device, computed per step; at decode they
+        must keep their shapes for a batch bucket (the runner copies them into its captured
+        graph's own tensors). Outputs and runtime params make a step run through
+        ``Engine.forward`` (the runner logs that once)."""
+        return {}, {}, {}
+
+    def padded_batch_arrays(self, batch: BatchMeta, tokens: int) -> dict[str, np.ndarray]:
+        """:meth:`batch_arrays` of a prefill padded to ``tokens`` tokens for its captured
+        graph (see :func:`~tgraph.models.base.batch.pad_prefill_arrays`: the pad tokens follow
+        the real ones and belong to no sequence). Only called when :attr:`pads_prefill`."""
+        raise NotImplementedError(f"feature {self.name!r} does not pad its prefill arrays")
 
     def fill_inputs(self, batch: BatchMeta, inputs: dict[str, Any]) -> None:
         """Add this feature's real inputs for ``batch`` (resident tensors and batch arrays)."""

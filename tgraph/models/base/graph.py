@@ -2,8 +2,9 @@
 
 On the first call for a kind of batch it records ``forward`` on symbolic inputs (once per graph:
 prefill, decode, and one per combination of features used) and builds and caches the engine.
-Each step then goes through one flow (:meth:`GraphState.run`): pick the engine, let the model add
-its own inputs (``_update_model_inputs``), and either run the step uncaptured or from the CUDA
+Each step then goes through one flow (:meth:`GraphState.run`): pick the engine, let the model and
+the engine's features add their own inputs (the model-inputs hook: ``_update_model_inputs``,
+``FeatureDecorator.update_model_inputs``), and either run the step uncaptured or from the CUDA
 graph of its padded signature (captured on first use). The engine inputs themselves are built by
 :mod:`tgraph.models.base.step_inputs`.
 """
@@ -150,6 +151,7 @@ class GraphState:
         self.captured: dict[Hashable, CaptureHandle] = {}
         self.dump_dir: str | None = None
         self._dumped: set[GraphKey] = set()
+        self._warned: set[str] = set()
         self.features: dict[str, FeatureDecorator] = {
             f.name: f(model, self.config.features.get(f.name)) for f in model.feature_classes}
         self.step_inputs = StepInputs(self.config, self.features)
@@ -251,11 +253,14 @@ class GraphState:
             if not isinstance(outputs, dict) or "model_out" not in outputs:
                 raise ConfigError(f"{type(self.model).__name__}.forward must return a dict with "
                                   "'model_out'")
+            for f in features:
+                outputs = f.transform_outputs(outputs, inputs)
             for out_name, value in outputs.items():
                 net.mark_output(value, out_name)
         c = self.config
         engine = net.build_engine(passes=c.static, disabled_passes=c.disabled_passes,
-                                  backend="auto" if c.static else "reference", tuning=c.tuning)
+                                  backend="auto" if c.static else "reference", tuning=c.tuning,
+                                  features=feature_names)
         seconds = time.perf_counter() - start
         self.build_seconds[key] = seconds
         logger.info("built engine %s in %.2f s (%d kernels)", name, seconds,
@@ -280,16 +285,21 @@ class GraphState:
             batch = pad_decode(batch, bucket)
         key = (batch.is_prefill, self._features_for(batch))
         engine = self.engines.get(key) or self._build(key)
-        extra_in, extra_out, runtime = self.model._update_model_inputs(batch)
+        extra_in, extra_out, runtime = self._model_inputs(batch, key[1])
         own_inputs = bool(extra_in or extra_out or runtime)
         staged = self._staged(batch, key, bucket, own_inputs)
+        if own_inputs:
+            self._explain_own_inputs(batch, key, staged, extra_in, extra_out, runtime)
         if staged is None:
             inputs = {**self.step_inputs.uncaptured(batch, key[1]), **extra_in}
             self._dump_first(key, engine, inputs, runtime)
             logits = engine.forward(inputs, extra_out or None, runtime or None)["model_out"]
             return logits if batch.is_prefill else logits[:num_seqs]
         signature, staging = staged
-        inputs = {**staging.inputs, **extra_in} if extra_in else staging.inputs
+        if extra_in:
+            # Copied into tensors of the staging's own, which the graph reads by reference.
+            staging.hold(extra_in)
+        inputs = staging.inputs
         handle = self.captured.get(signature)
         if handle is None or not engine.is_captured(handle):
             staging.upload()
@@ -298,7 +308,7 @@ class GraphState:
             handle = engine.capture(inputs, runtime or None, by_reference=list(staging.inputs),
                                     prologue=staging.upload, share_arena=batch.is_prefill)
             self.captured[signature] = handle
-        if own_inputs:
+        if extra_out or runtime:
             outputs = engine.forward(inputs, extra_out or None, runtime or None)
         else:
             # Every input is a staging or resident tensor: one launch copies them in and runs.
@@ -306,6 +316,47 @@ class GraphState:
         staging.mark_replayed()
         rows = len(batch.default_lm_head_indices()) if batch.is_prefill else num_seqs
         return outputs["model_out"][:rows]
+
+    def _model_inputs(self, batch: BatchMeta, feature_names: tuple[str, ...]
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any]]:
+        """The model-inputs hook of the step: the model's ``_update_model_inputs`` and that of
+        each feature whose engine runs it, merged (a name given twice is refused)."""
+        parts = [self.model._update_model_inputs(batch)]
+        parts += [self.features[n].update_model_inputs(batch) for n in feature_names]
+        if len(parts) == 1:
+            return parts[0]
+        merged: tuple[dict, dict, dict] = ({}, {}, {})
+        for part in parts:
+            for into, values in zip(merged, part):
+                clash = sorted(into.keys() & values.keys())
+                if clash:
+                    raise ConfigError(f"the model-inputs hooks of {type(self.model).__name__} "
+                                      f"and features {list(feature_names)} all give {clash}")
+                into.update(values)
+        return merged
+
+    def _explain_own_inputs(self, batch: BatchMeta, key: GraphKey,
+                            staged: tuple[Hashable, Staging] | None, extra_in: dict,
+                            extra_out: dict, runtime: dict) -> None:
+        """Log once per reason when the hook's returns cost a fast path CUDA graphs would
+        otherwise take: an uncaptured prefill, or a decode step bound through
+        ``Engine.forward`` instead of one graph launch."""
+        names = sorted({*extra_in, *extra_out, *runtime})
+        if batch.is_prefill and staged is None and self._prefill_buckets(batch, key) is not None:
+            self._warn_once("prefill", "prefill steps given inputs by the model-inputs hook "
+                            f"({names}) run without CUDA graphs: the hook's inputs cannot be "
+                            "padded to the captured token buckets")
+        elif not batch.is_prefill and staged is not None and (extra_out or runtime):
+            what = sorted({*extra_out, *runtime})
+            self._warn_once("decode", f"decode steps given runtime params or outputs ({what}) by "
+                            "the model-inputs hook are bound and copied at every step "
+                            "(Engine.forward) instead of replayed in one launch; ops reading "
+                            "runtime params (host values) run uncaptured between the graphs")
+
+    def _warn_once(self, reason: str, message: str) -> None:
+        if reason not in self._warned:
+            self._warned.add(reason)
+            logger.warning("%s: %s", type(self.model).__name__, message)
 
     def _check_ready(self, batch: BatchMeta) -> None:
         if not self.kv_caches:
@@ -348,16 +399,19 @@ class GraphState:
             return None
         tokens, seqs = padded
         signature = (key, ("prefill", tokens, seqs))
-        return signature, self.step_inputs.prefill_staged(signature, batch, tokens, seqs)
+        return signature, self.step_inputs.prefill_staged(signature, batch, tokens, seqs, key[1])
 
     def _prefill_buckets(self, batch: BatchMeta, key: GraphKey) -> tuple[int, int] | None:
         """(tokens, sequences) a prefill is padded to for a CUDA graph, or None to run it
-        uncaptured: too many tokens, sequences or logits rows, a feature engine, a dump, or a
-        model spread over several devices (tensor parallel or placed: not supported yet).
+        uncaptured: too many tokens, sequences or logits rows, the engine of a feature that
+        cannot pad its arrays (``FeatureDecorator.pads_prefill``), a dump, or a model spread
+        over several devices (tensor parallel or placed: not supported yet).
 
         Prefill is otherwise bound by the host: a few hundred uncaptured launches, each costing
         more CPU time than small models' kernels take on the GPU."""
-        if key[1] or not self._can_capture() or self.dump_dir is not None:
+        if not self._can_capture() or self.dump_dir is not None:
+            return None
+        if not all(self.features[n].pads_prefill for n in key[1]):
             return None
         if self.config.world_size > 1 or self.model.placement is not None:
             return None

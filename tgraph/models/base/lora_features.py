@@ -1,4 +1,4 @@
-"""LoRA feature decorators: one adapter for every request, or one adapter per request.
+"""LoRA feature decorators: one adapter for every request, or one adapter per request, or both.
 
 Both features run every adapted linear as one GEMM (see ``tgraph.ir.ops.lora``)::
 
@@ -14,8 +14,19 @@ one region per feature that targets the linear, each padded to 8 columns. The ba
 weight becomes the view ``storage[:, :K]``: the weight is held once, and the base engine runs on
 the view. The multi-LoRA GEMM runs on ``storage[:, :K + multi region]``, paying no column for the
 other feature: multi's mixed batches are the throughput case. The single-LoRA GEMM runs on the
-whole storage, its shrink writing zeros into multi's columns (a batch never needs both graphs:
-mixing them is refused, below).
+whole storage, its shrink writing zeros into multi's columns.
+
+Stacking. The features declare each other compatible: while a single adapter is active and
+requests also name multi-LoRA adapters (``BatchMeta.loras``), the batch runs one engine built for
+both, whose adapted linears apply ``W x + B1 A1 x + B_r A_r x``. Recording chains the features'
+shrinks in storage order (:class:`_LoraLinear`): multi's writes ``[x | multi region]``, and
+single's reads that operand whole, with its A widened by zero columns, and appends its region::
+
+    xcat = shrink(shrink(x, A_multi[slot]), [A_single | 0]) = [x | multi region | single region]
+    y = xcat @ storage.T
+
+still one GEMM on the same storage. Requests that name no multi adapter sit in multi's slot 0 and
+get the single delta alone, so a batch may mix them freely.
 
 The layout is decided once, lazily, when any LoRA feature of the model first loads an adapter or
 records a graph, for all its LoRA features together, so it never changes afterwards. Engines built
@@ -23,25 +34,29 @@ before (the base model's) are rebound to the views with ``Engine.set_weights`` a
 graphs released (captured again on the next step); a model that never uses LoRA keeps its
 weights as they were.
 
-The A matrices (stacked per slot, every adapter padded to ``max_rank``), the per-slot scaling and
-the shrink kernel's arrival counters are engine *inputs* of fixed shapes in resident buffers.
+Multi-LoRA's A matrices (stacked per slot, every adapter padded to ``max_rank``), each feature's
+per-slot scaling and the shrink kernel's arrival counters are engine *inputs* of fixed shapes in
+resident buffers; single-LoRA's A, like every B, is a weight its engines hold by reference (one
+tensor per operand width it is recorded with, so the stacked engine needs no other inputs).
 Loading, activating or unloading an adapter rewrites them and the storage's B columns in place:
-no engine is rebuilt, and captured decode graphs read the new weights at their next replay.
+no engine is rebuilt, and captured graphs read the new weights at their next replay. Both
+features pad their per-token arrays for prefill CUDA graphs (pad tokens in multi's slot 0), so
+LoRA prefills replay captured graphs at token buckets as base prefills do.
+
+Tensor parallelism: an adapter is split as its base linear is, when it is read. Column-parallel
+linears (q/k/v, gate/up) keep A whole and take their rows of B (by heads for q/k/v, replicated
+KV heads included); row-parallel ones (o, down) take their columns of A and keep B whole, so each
+rank's GEMM yields its partial sum ``x_r W_r + B (A_r x_r)``, and the base linear's one
+all-reduce sums both.
 
 Settings (``LlmConfig.features["single_lora"]`` / ``["multi_lora"]``):
     ``max_rank`` (16): the largest adapter rank accepted.
     ``target_modules`` (all of q/k/v/o/gate/up/down_proj): which linears get a delta.
     ``max_loras`` (4, multi only): adapters loaded at once.
-
-Single and multi on one model: while a single adapter is active it applies to every request, so
-a batch in which a request also names a multi-LoRA adapter (``BatchMeta.loras``) would need both
-graphs at once. The two features do not declare each other compatible, so such a batch is
-refused with a ``ConfigError``: deactivate the single adapter (``activate(None)``) to serve
-per-request adapters.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +65,7 @@ import torch
 
 from tgraph.errors import ConfigError
 from tgraph.ir.ops.lora import LORA_COUNTER_SLOTS
+from tgraph.layers.linear import RowParallelLinear
 from tgraph.layers.lora import (
     LORA_TARGET_MODULES,
     LoraAdapter,
@@ -63,21 +79,25 @@ from tgraph.layers.lora import (
 from tgraph.layers.lora_bank import LoraWeightBank, aligned_width, attach_bank
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.features import FeatureDecorator
+from tgraph.nn import distributed
 from tgraph.nn import functional as F
 from tgraph.nn.module import Parameter
 from tgraph.nn.tensor import Tensor
 
-__all__ = ["MultiLoraDecorator", "SingleLoraDecorator"]
+__all__ = ["MultiLoraDecorator", "SingleLoraDecorator", "shard_adapter"]
 
 _SETTINGS = {"max_rank", "target_modules", "max_loras"}
 
 
 class _LoraFeature(FeatureDecorator):
-    """What both LoRA features share: settings, targets, the shared weight storage and wrapping
-    the target linears."""
+    """What both LoRA features share: settings, targets, the shared weight storage and their
+    stage of the target linears' recorded GEMM."""
 
     # Where the feature's region sits in a shared storage: lower first (see the module docstring).
     bank_order: int = 0
+    # Prefix of the feature's engine input names (two stacked features' must differ).
+    input_prefix: str = "lora_"
+    pads_prefill = True
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
@@ -97,12 +117,9 @@ class _LoraFeature(FeatureDecorator):
     # ---- model facts -----------------------------------------------------------------------------
     @property
     def targets(self) -> list[LoraTarget]:
-        """The linears this feature adapts (found on first use)."""
+        """The linears this feature adapts (found on first use; this rank's shards under tensor
+        parallelism)."""
         if self._targets is None:
-            config = self.model.llm_config
-            if config.world_size > 1:
-                raise ConfigError(f"feature {self.name!r}: LoRA with tensor parallelism "
-                                  f"(world_size {config.world_size}) is not supported yet")
             self._targets = find_lora_targets(self.model, self.target_modules)
         return self._targets
 
@@ -131,7 +148,7 @@ class _LoraFeature(FeatureDecorator):
         if not isinstance(name, str) or not name:
             raise ValueError(f"feature {self.name!r}: an adapter name must be a non-empty str, "
                              f"got {name!r}")
-        adapter = load_peft_adapter(path, name)
+        adapter = shard_adapter(load_peft_adapter(path, name), self.targets)
         check_adapter(adapter, self.targets, self.max_rank,
                       self.model.llm_config.model.num_hidden_layers)
         return adapter
@@ -139,16 +156,18 @@ class _LoraFeature(FeatureDecorator):
     def _shared_inputs(self, is_prefill: bool, num_slots: int) -> dict[str, Tensor]:
         """The symbolic inputs every adapted linear of the graph reads."""
         tokens = "num_tokens" if is_prefill else "batch"
-        specs = {"lora_scaling": (torch.float32, (num_slots,)),
-                 "lora_token_slots": (torch.int32, (tokens,)),
-                 "lora_token_order": (torch.int32, (tokens,)),
-                 "lora_seg_start": (torch.int32, (num_slots + 1,)),
-                 "lora_counters": (torch.int32, (LORA_COUNTER_SLOTS,))}
-        return {name: Tensor(name, dtype, shape) for name, (dtype, shape) in specs.items()}
+        specs = {"scaling": (torch.float32, (num_slots,)),
+                 "token_slots": (torch.int32, (tokens,)),
+                 "token_order": (torch.int32, (tokens,)),
+                 "seg_start": (torch.int32, (num_slots + 1,)),
+                 "counters": (torch.int32, (LORA_COUNTER_SLOTS,))}
+        p = self.input_prefix
+        return {p + name: Tensor(p + name, dtype, shape) for name, (dtype, shape) in specs.items()}
 
     # ---- recording -------------------------------------------------------------------------------
     def _gemm_weight(self, target: LoraTarget) -> Parameter:
-        """``[W | B regions up to this feature's]``: the weight of the target's single GEMM."""
+        """``[W | B regions up to this feature's]``: the weight of the target's single GEMM when
+        this feature's region is the last one the graph uses."""
         weight = self._gemm_weights.get(target.key)
         if weight is None:
             weight = Parameter(self.banks[target.key].prefix(self.name),
@@ -156,38 +175,116 @@ class _LoraFeature(FeatureDecorator):
             self._gemm_weights[target.key] = weight
         return weight
 
-    def _wrap(self, inputs: dict[str, Tensor], a_stack: Callable[[LoraTarget], str]) -> None:
-        """Make every target linear one GEMM on ``[x | xa]`` while recording.
+    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor], before: int) -> Tensor:
+        """The stacked A the shrink of ``target`` reads, for an operand that already holds
+        ``before`` LoRA columns after ``x`` (A's columns past ``in_features`` are zeros)."""
+        raise NotImplementedError
 
-        ``a_stack(target)`` names the target's stacked-A input. NOTE: the linear's own forward is
-        bypassed; it only adds an all-reduce under tensor parallelism, which LoRA refuses.
-        """
+    def shrink(self, target: LoraTarget, xcat: Tensor, inputs: dict[str, Tensor],
+               before: int) -> Tensor:
+        """Record this feature's stage of ``target``'s operand: ``xcat`` (``x`` and the
+        ``before`` LoRA columns of the stages before) followed by the columns up to the end of
+        this feature's region."""
+        bank, p = self.banks[target.key], self.input_prefix
+        return lora_shrink_concat(
+            xcat, self._a_operand(target, inputs, before), inputs[p + "scaling"],
+            inputs[p + "token_slots"], inputs[p + "token_order"], inputs[p + "seg_start"],
+            inputs[p + "counters"], lead=bank.lead(self.name) - before,
+            width=bank.width(self.name) - before)  # (tokens, in + width(self))
+
+    def _wrap(self, inputs: dict[str, Tensor]) -> None:
+        """Add this feature's stage to every target linear while recording (a linear that
+        another LoRA feature of the graph wrapped already gets a second stage)."""
         for target in self.targets:
-            linear, bank = target.linear, self.banks[target.key]
-            weight, a_name = self._gemm_weight(target), a_stack(target)
-            lead, width = bank.lead(self.name), bank.width(self.name)
-
-            def forward(x: Tensor, linear: Any = linear, weight: Parameter = weight,
-                        a_name: str = a_name, lead: int = lead, width: int = width,
-                        quantized: bool = bank.quantized) -> Tensor:
-                xcat = lora_shrink_concat(
-                    x, inputs[a_name], inputs["lora_scaling"], inputs["lora_token_slots"],
-                    inputs["lora_token_order"], inputs["lora_seg_start"], inputs["lora_counters"],
-                    lead=lead, width=width)  # (tokens, in + width)
-                if quantized:  # the packed base weight and the dense B columns: two GEMMs
-                    k = linear.in_features
-                    xa = F.slice(xcat, -1, k, k + width)  # (tokens, width)
-                    return linear._linear(x, linear.weight, linear.bias) + F.linear(xa, weight)
-                return F.linear(xcat, weight, linear.bias)
-
-            # NOTE: an instance attribute shadows the class's forward; exit_graph deletes it.
-            object.__setattr__(linear, "forward", forward)
+            linear = target.linear
+            wrapper = linear.__dict__.get("forward")
+            if not isinstance(wrapper, _LoraLinear):
+                wrapper = _LoraLinear(target, self.banks[target.key])
+                # NOTE: an instance attribute shadows the class's forward; exit_graph deletes it.
+                object.__setattr__(linear, "forward", wrapper)
+            wrapper.stages.append((self, inputs))
             self._wrapped.append(linear)
+
+    def enter_graph(self, inputs: dict[str, Tensor]) -> None:
+        self._wrap(inputs)
 
     def exit_graph(self) -> None:
         for linear in self._wrapped:
             linear.__dict__.pop("forward", None)
         self._wrapped.clear()
+
+
+class _LoraLinear:
+    """A target linear while a graph with LoRA features is recorded: the features' shrinks
+    chained in storage order into one operand, then one GEMM on the storage up to the last
+    region (two GEMMs on a quantized base), then the linear's all-reduce if it is row-parallel.
+    """
+
+    def __init__(self, target: LoraTarget, bank: LoraWeightBank) -> None:
+        self.target, self.bank = target, bank
+        self.stages: list[tuple[_LoraFeature, dict[str, Tensor]]] = []
+
+    def __call__(self, x: Tensor) -> Tensor:
+        linear, bank = self.target.linear, self.bank
+        stages = sorted(self.stages, key=lambda stage: bank.lead(stage[0].name))
+        xcat, before = x, 0  # before: LoRA columns of xcat so far
+        for feature, inputs in stages:
+            xcat = feature.shrink(self.target, xcat, inputs, before)
+            before = bank.width(feature.name)
+        weight = stages[-1][0]._gemm_weight(self.target)
+        if bank.quantized:  # the packed base weight and the dense B columns: two GEMMs
+            k = linear.in_features
+            xa = F.slice(xcat, -1, k, k + before)  # (tokens, LoRA columns)
+            out = linear._linear(x, linear.weight, linear.bias) + F.linear(xa, weight)
+        else:
+            out = F.linear(xcat, weight, linear.bias)
+        if isinstance(linear, RowParallelLinear) and linear.world_size > 1:
+            # each rank's x_r W_r + B (A_r x_r): one all-reduce sums base and delta alike
+            out = distributed.all_reduce(out)
+        return out
+
+
+def shard_adapter(adapter: LoraAdapter, targets: list[LoraTarget]) -> LoraAdapter:
+    """This rank's part of ``adapter`` under tensor parallelism, split as each module's base
+    linear is: column-parallel (q/k/v, gate/up) keep A whole and take their rows of B (by heads
+    for q/k/v: a replicated KV head's whole B); row-parallel (o, down) take their columns of A
+    and keep B whole. Without tensor parallelism the adapter is returned as it is.
+
+    A module whose full shapes do not split so is left whole, for
+    :func:`~tgraph.layers.lora.check_adapter` to refuse with the shapes the model needs.
+    """
+    if all(getattr(t.linear, "world_size", 1) == 1 for t in targets):
+        return adapter
+    parts = {(t.layer, p): (t, j) for t in targets for j, p in enumerate(t.parts)}
+    weights = {}
+    for key, (a, b) in adapter.weights.items():
+        if key in parts:
+            a, b = _shard_pair(*parts[key], a, b)
+        weights[key] = (a, b)
+    return dataclasses.replace(adapter, weights=weights)
+
+
+def _shard_pair(target: LoraTarget, part: int, a: torch.Tensor, b: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    linear = target.linear
+    world_size, rank = getattr(linear, "world_size", 1), getattr(linear, "rank", 0)
+    if world_size == 1:
+        return a, b
+    if isinstance(linear, RowParallelLinear):
+        k = target.in_features
+        if a.shape[1] == k * world_size:
+            a = a[:, rank * k:(rank + 1) * k]
+        return a, b
+    # The rank holds chunk `rank * chunks // world_size` of the part's `chunks` equal row
+    # chunks: its own shard (chunks == world_size), or one replicated KV head
+    # (QKVParallelLinear with fewer KV heads than ranks).
+    n = target.part_sizes[part]
+    chunks = b.shape[0] // n if n else 0
+    if chunks >= 1 and chunks * n == b.shape[0] and (chunks % world_size == 0
+                                                     or world_size % chunks == 0):
+        index = rank * chunks // world_size
+        b = b[index * n:(index + 1) * n]
+    return a, b
 
 
 def _zeroed_counters(device: torch.device) -> torch.Tensor:
@@ -248,24 +345,29 @@ class _EngineWeights:
 
 
 class SingleLoraDecorator(_LoraFeature):
-    """One active adapter applied to every request of a batch.
+    """One active adapter applied to every request of a batch (stacked with the multi-LoRA
+    adapters that requests name, if any).
 
     ``model.features["single_lora"].load(name, dir)`` reads a PEFT adapter;
     ``.activate(name)`` makes it the adapter of every following batch (``activate(None)``: the
-    base model). Activating copies the adapter's A into the resident stack (two slots: slot 0
-    empty, slot 1 the active adapter, every token in slot 1) and its B, with the scaling folded
-    in, into this feature's columns of each target's storage: the same shrink kernel and single
-    GEMM as multi-LoRA.
+    base model). Activating copies the adapter's A into slot 1 of this feature's A weights (two
+    slots: slot 0 empty, every token in slot 1) and its B, with the scaling folded in, into this
+    feature's columns of each target's storage: the same shrink kernel and single GEMM as
+    multi-LoRA, and no engine is built or rebuilt.
     """
 
     name = "single_lora"
     bank_order = 1
+    input_prefix = "single_lora_"
+    compatible_with = frozenset({"multi_lora", "logit_bias"})
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.active: str | None = None
         self._resident: dict[str, torch.Tensor] | None = None
+        # target key -> LoRA columns before this stage -> A weight [2, width, in + columns]
+        self._a: dict[str, dict[int, Parameter]] = {}
 
     def region_width(self, target: LoraTarget) -> int:
         return aligned_width(target.width(self.max_rank))
@@ -291,8 +393,8 @@ class SingleLoraDecorator(_LoraFeature):
     def activate(self, name: str | None) -> None:
         """Apply adapter ``name`` to every following batch (``None``: no adapter).
 
-        The adapter is copied into the resident buffers and the weight storage, so engines (and
-        captured decode graphs) serve it without being rebuilt.
+        The adapter is copied into the A weights and the weight storage in place, so engines
+        (and captured graphs) serve it without being rebuilt.
 
         Raises:
             KeyError: ``name`` is not loaded.
@@ -305,23 +407,26 @@ class SingleLoraDecorator(_LoraFeature):
         self.active = name
 
     def _copy_in(self, name: str) -> None:
-        resident = self._resident_buffers()
         for t in self.targets:
-            resident[f"lora_a_{t.key}"][1].copy_(self.adapters[name][f"lora_a_{t.key}"])
+            a = self.adapters[name][f"lora_a_{t.key}"]
+            for weight in self._a.get(t.key, {}).values():
+                weight.data[1, :, :t.in_features].copy_(a)
             b = self.adapters[name][f"lora_b_{t.key}"]
             self.banks[t.key].region(self.name)[:, :b.shape[1]].copy_(b)
 
-    def _resident_buffers(self) -> dict[str, torch.Tensor]:
-        if self._resident is None:
-            # [2, ...] stacks: slot 0 ("no adapter") stays zero; scaling is folded into B.
-            resident = {"lora_scaling": torch.tensor([0.0, 1.0], device=self._device),
-                        "lora_counters": _zeroed_counters(self._device)}
-            for t in self.targets:
-                resident[f"lora_a_{t.key}"] = torch.zeros(
-                    2, t.width(self.max_rank), t.in_features, dtype=self._dtype,
-                    device=self._device)
-            self._resident = resident
-        return self._resident
+    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor], before: int) -> Tensor:
+        by_width = self._a.setdefault(target.key, {})
+        weight = by_width.get(before)
+        if weight is None:
+            data = torch.zeros(2, target.width(self.max_rank), target.in_features + before,
+                               dtype=self._dtype, device=self._device)
+            if self.active is not None:
+                data[1, :, :target.in_features].copy_(
+                    self.adapters[self.active][f"lora_a_{target.key}"])
+            suffix = f"_after{before}" if before else ""
+            weight = Parameter(data, name=f"{self.name}.{target.key}.lora_a{suffix}")
+            by_width[before] = weight
+        return weight
 
     def unload(self, name: str) -> None:
         """Forget adapter ``name`` (deactivating it if active)."""
@@ -332,39 +437,34 @@ class SingleLoraDecorator(_LoraFeature):
             self.active = None
 
     def symbolic_inputs(self, is_prefill: bool) -> dict[str, Tensor]:
-        inputs = self._shared_inputs(is_prefill, 2)
-        for t in self.targets:
-            name = f"lora_a_{t.key}"
-            inputs[name] = Tensor(name, self._dtype, (2, t.width(self.max_rank), t.in_features))
-        return inputs
-
-    def enter_graph(self, inputs: dict[str, Tensor]) -> None:
-        self._wrap(inputs, lambda t: f"lora_a_{t.key}")
+        return self._shared_inputs(is_prefill, 2)
 
     def is_used(self, batch: BatchMeta) -> bool:
         return self.active is not None
 
     def resident_inputs(self) -> dict[str, torch.Tensor]:
-        if self.active is None or self._resident is None:
+        if self.active is None:
             raise ConfigError("single_lora: no adapter is active; activate(name) first")
+        if self._resident is None:
+            # slot 0 ("no adapter") is never used; the scaling is folded into B
+            self._resident = {
+                "single_lora_scaling": torch.tensor([0.0, 1.0], device=self._device),
+                "single_lora_counters": _zeroed_counters(self._device)}
         return dict(self._resident)
 
     def batch_arrays(self, batch: BatchMeta) -> dict[str, np.ndarray]:
-        named = {n for n in (batch.loras or ()) if n is not None and n != self.active}
-        if named:
-            raise ValueError(f"single_lora: adapter {self.active!r} is active for every request, "
-                             f"but the batch names {sorted(named)}; deactivate it "
-                             "(activate(None)) to serve per-request adapters")
-        tokens = int(sum(batch.query_lens))
-        # Every token in slot 1, already grouped: no sort.
-        return {"lora_token_slots": np.ones(tokens, dtype=np.int32),
-                "lora_token_order": np.arange(tokens, dtype=np.int32),
-                "lora_seg_start": np.array([0, 0, tokens], dtype=np.int32)}
+        return self.padded_batch_arrays(batch, int(sum(batch.query_lens)))
+
+    def padded_batch_arrays(self, batch: BatchMeta, tokens: int) -> dict[str, np.ndarray]:
+        # Every token in slot 1 (pad tokens too: their rows are never read), already grouped.
+        return {"single_lora_token_slots": np.ones(tokens, dtype=np.int32),
+                "single_lora_token_order": np.arange(tokens, dtype=np.int32),
+                "single_lora_seg_start": np.array([0, 0, tokens], dtype=np.int32)}
 
 
 class MultiLoraDecorator(_LoraFeature):
     """Up to ``max_loras`` adapters at once; each request names its own (``BatchMeta.loras``,
-    ``None``: the base model).
+    ``None``: the base model, or the single adapter alone while one is active).
 
     Adapters live in slots ``1..max_loras`` (slot 0 is "no adapter"): A in stacked tensors
     ``[max_loras + 1, ...]``, B in this feature's columns of each target's storage, one block per
@@ -373,6 +473,8 @@ class MultiLoraDecorator(_LoraFeature):
 
     name = "multi_lora"
     bank_order = 0
+    input_prefix = "lora_"
+    compatible_with = frozenset({"single_lora", "logit_bias"})
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
@@ -455,8 +557,11 @@ class MultiLoraDecorator(_LoraFeature):
                                   (self.num_slots, t.width(self.max_rank), t.in_features))
         return inputs
 
-    def enter_graph(self, inputs: dict[str, Tensor]) -> None:
-        self._wrap(inputs, lambda t: f"lora_a_stack_{t.key}")
+    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor], before: int) -> Tensor:
+        if before:  # its region comes first (bank_order 0): its shrink always reads x itself
+            raise ConfigError(f"multi_lora: its shrink must come first in {target.key}'s "
+                              f"operand, got {before} LoRA columns before it")
+        return inputs[f"lora_a_stack_{target.key}"]
 
     def is_used(self, batch: BatchMeta) -> bool:
         return any(n is not None for n in (batch.loras or ()))
@@ -495,11 +600,20 @@ class MultiLoraDecorator(_LoraFeature):
         key = (tuple(batch.loras or ()), tuple(batch.query_lens), batch.num_seqs)
         if key == self._arrays_key:
             return self._arrays
-        slots = np.asarray(self.token_slots(batch), dtype=np.int32)
-        order = np.argsort(slots, kind="stable").astype(np.int32)
-        seg_start = np.searchsorted(slots[order], np.arange(self.num_slots + 1)).astype(np.int32)
-        arrays = {"lora_token_slots": slots, "lora_token_order": order, "lora_seg_start": seg_start}
+        arrays = self._grouped(np.asarray(self.token_slots(batch), dtype=np.int32))
         for a in arrays.values():
             a.setflags(write=False)
         self._arrays_key, self._arrays = key, arrays
         return arrays
+
+    def padded_batch_arrays(self, batch: BatchMeta, tokens: int) -> dict[str, np.ndarray]:
+        """The prefill's arrays with its pad tokens in slot 0 (no adapter)."""
+        slots = np.zeros(tokens, dtype=np.int32)
+        real = self.token_slots(batch)
+        slots[:len(real)] = real
+        return self._grouped(slots)
+
+    def _grouped(self, slots: np.ndarray) -> dict[str, np.ndarray]:
+        order = np.argsort(slots, kind="stable").astype(np.int32)
+        seg_start = np.searchsorted(slots[order], np.arange(self.num_slots + 1)).astype(np.int32)
+        return {"lora_token_slots": slots, "lora_token_order": order, "lora_seg_start": seg_start}

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tgraph.errors import ConfigError
 from tgraph.models.base.batch import BatchMeta, block_table_array, pad_prefill_arrays
 from tgraph.models.base.features import FeatureDecorator
 from tgraph.models.base.llm_config import LlmConfig
@@ -141,24 +142,29 @@ class StepInputs:
         return staging
 
     def prefill_staged(self, signature: Hashable, batch: BatchMeta, tokens: int,
-                       seqs: int) -> Staging:
-        """Write a prefill (of the base engine), padded to ``tokens`` tokens and ``seqs``
-        sequences, into its signature's staging.
+                       seqs: int, feature_names: Sequence[str] = ()) -> Staging:
+        """Write a prefill, padded to ``tokens`` tokens and ``seqs`` sequences, into its
+        signature's staging.
 
         Args:
             signature: the captured signature the staging belongs to.
             batch: the prefill batch.
             tokens, seqs: the token and sequence buckets, at least the batch's own.
+            feature_names: the features whose engine runs the step (each pads its own arrays:
+                ``FeatureDecorator.padded_batch_arrays``).
 
         Returns:
             The staging (created on first use), holding the step.
         """
         arrays = pad_prefill_arrays(self.arrays(batch), tokens, seqs)
+        for name in feature_names:
+            for k, a in self.features[name].padded_batch_arrays(batch, tokens).items():
+                arrays[k] = np.asarray(a, dtype=np.int32)
         staging = self.stagings.get(signature)
         if staging is None:
             staging = self.stagings[signature] = Staging(
                 {name: a.shape for name, a in arrays.items()}, self.config.device,
-                self.resident())
+                self.resident(feature_names))
         staging.write_arrays(arrays)
         return staging
 
@@ -196,6 +202,7 @@ class Staging:
             offset += size
         self.inputs.update(resident)
         self._rows: list[list[int]] = []  # block-table rows as the host array holds them
+        self._held: list[str] | None = None  # names of the hook's inputs (see hold)
         self._replayed: torch.cuda.Event | None = None
         # An explicit index: torch.cuda.current_stream() without one looks the device up anew.
         self._device_index = (device.index if device.index is not None else
@@ -210,6 +217,31 @@ class Staging:
         self._write_tables(batch.block_table)
         for name, a in extra.items():
             views[name][...] = a
+
+    def hold(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Copy a step's inputs from the model-inputs hook into tensors of the staging's own
+        (clones of the first step's), which the captured graph reads by reference.
+
+        Raises:
+            ConfigError: the hook gives other names, shapes or dtypes than at the first step.
+        """
+        if self._held is None:
+            self._held = sorted(tensors)
+            for name, t in tensors.items():
+                self.inputs[name] = t.clone()
+            return
+        if sorted(tensors) != self._held:
+            raise ConfigError(f"the model-inputs hook gave inputs {sorted(tensors)} for a "
+                              f"captured step that was captured with {self._held}; give the "
+                              "same names at every decode step")
+        for name, t in tensors.items():
+            held = self.inputs[name]
+            if held.shape != t.shape or held.dtype != t.dtype:
+                raise ConfigError(f"the model-inputs hook gave {name!r} as {t.dtype} "
+                                  f"{list(t.shape)}, captured as {held.dtype} "
+                                  f"{list(held.shape)}; a decode step's inputs keep their shape "
+                                  "for a batch bucket")
+            held.copy_(t, non_blocking=True)
 
     def write_arrays(self, arrays: dict[str, np.ndarray]) -> None:
         """Put whole arrays (a padded prefill's) into the host array."""

@@ -9,6 +9,7 @@ from tgraph.models.base.causal_lm import FlashCausalLM
 from tgraph.models.base.decoder import BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.base.llm_config import LlmConfig
+from tgraph.models.base.logit_bias import LogitBiasDecorator
 from tgraph.models.base.lora_features import MultiLoraDecorator, SingleLoraDecorator
 from tgraph.models.registry import register_model
 from tgraph.nn import functional as F
@@ -61,6 +62,6 @@ def raise_missing_head(loader: WeightLoader) -> None:
 
 
 @register_model(model_types=("llama",), architectures=("LlamaForCausalLM",))
-@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator)
+@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator)
 class FlashLlamaForCausalLM(LlamaLikeForCausalLM):
     """Llama 2/3 (rope scaling, tied or untied embeddings)."""

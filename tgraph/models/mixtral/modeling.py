@@ -5,6 +5,7 @@ from __future__ import annotations
 from tgraph.layers.moe import MIXTRAL_EXPERT_NAMES, MoeConfig, SparseMoeBlock
 from tgraph.models.base.decoder import BaseLayer, BaseModel
 from tgraph.models.base.graph import torch_to_graph
+from tgraph.models.base.logit_bias import LogitBiasDecorator
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
 from tgraph.models.registry import register_model
 
@@ -23,6 +24,6 @@ class MixtralModel(BaseModel):
 
 
 @register_model(model_types=("mixtral",), architectures=("MixtralForCausalLM",))
-@torch_to_graph()
+@torch_to_graph(LogitBiasDecorator)
 class FlashMixtralForCausalLM(LlamaLikeForCausalLM):
     model_cls = MixtralModel

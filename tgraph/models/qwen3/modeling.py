@@ -5,6 +5,7 @@ from tgraph.layers.attention import Attention
 from tgraph.layers.norm import RmsNorm
 from tgraph.models.base.decoder import BaseLayer, BaseModel
 from tgraph.models.base.graph import torch_to_graph
+from tgraph.models.base.logit_bias import LogitBiasDecorator
 from tgraph.models.base.lora_features import MultiLoraDecorator, SingleLoraDecorator
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
 from tgraph.models.registry import register_model
@@ -32,6 +33,6 @@ class Qwen3Model(BaseModel):
 
 
 @register_model(model_types=("qwen3",), architectures=("Qwen3ForCausalLM",))
-@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator)
+@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator)
 class FlashQwen3ForCausalLM(LlamaLikeForCausalLM):
     model_cls = Qwen3Model
