@@ -22,8 +22,8 @@ __all__ = ["ExpertBlocks", "max_blocks", "route_topk", "sort_by_expert"]
 
 @triton.jit
 def _route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K: tl.constexpr,
-                  RENORM: tl.constexpr, BLOCK_T: tl.constexpr, E_PAD: tl.constexpr,
-                  PDL: tl.constexpr):
+                  K_PAD: tl.constexpr, RENORM: tl.constexpr, BLOCK_T: tl.constexpr,
+                  E_PAD: tl.constexpr, PDL: tl.constexpr):
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = tl.arange(0, E_PAD)
     mask_t = offs_t < T
@@ -33,20 +33,25 @@ def _route_kernel(logits_ptr, w_ptr, ids_ptr, T, E, stride_lt, TOP_K: tl.constex
     logits = tl.where((cols < E)[None, :], logits, float("-inf"))  # padding: probability 0
     p = tl.exp(logits - tl.max(logits, axis=1)[:, None])
     p = p / tl.sum(p, axis=1)[:, None]
-    total = tl.zeros((BLOCK_T,), dtype=tl.float32)
-    rest = p
-    for _ in tl.static_range(TOP_K):  # the sum of the top k, for the renormalisation
-        best = tl.max(rest, axis=1)
-        total += best
-        rest = tl.where(cols[None, :] == tl.argmax(rest, axis=1)[:, None], -1.0, rest)
-    if not RENORM:
-        total = tl.full((BLOCK_T,), 1.0, tl.float32)
+    # One max per choice: the probability's bits (non-negative floats order as ints) above the
+    # complemented column, so ties go to the lower expert and the argmax comes with the value.
+    key = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (E_PAD - 1 - cols)[None, :]
+    choice = tl.arange(0, K_PAD)
+    weights = tl.zeros((BLOCK_T, K_PAD), dtype=tl.float32)
+    ids = tl.zeros((BLOCK_T, K_PAD), dtype=tl.int32)
     for j in tl.static_range(TOP_K):
-        best = tl.max(p, axis=1)
-        idx = tl.argmax(p, axis=1)
-        tl.store(w_ptr + offs_t * TOP_K + j, best / total, mask=mask_t)
-        tl.store(ids_ptr + offs_t * TOP_K + j, idx.to(tl.int32), mask=mask_t)
-        p = tl.where(cols[None, :] == idx[:, None], -1.0, p)
+        best = tl.max(key, axis=1)
+        idx = E_PAD - 1 - (best & 0xFFFFFFFF).to(tl.int32)
+        value = (best >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+        weights = tl.where(choice[None, :] == j, value[:, None], weights)
+        ids = tl.where(choice[None, :] == j, idx[:, None], ids)
+        key = tl.where(cols[None, :] == idx[:, None], -1, key)
+    if RENORM:
+        weights = weights / tl.sum(weights, axis=1)[:, None]
+    out = offs_t[:, None] * TOP_K + choice[None, :]
+    mask = mask_t[:, None] & (choice < TOP_K)[None, :]
+    tl.store(w_ptr + out, weights, mask=mask)
+    tl.store(ids_ptr + out, ids, mask=mask)
 
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
@@ -56,10 +61,11 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool
     weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
     if t:
-        block_t = 16
+        block_t = 1 if t <= 64 else 16  # a few tokens: a program (one warp) each
         _route_kernel[(triton.cdiv(t, block_t),)](
             router_logits, weights, ids, t, e, router_logits.stride(0), TOP_K=top_k,
-            RENORM=renormalize, BLOCK_T=block_t, E_PAD=triton.next_power_of_2(e), num_warps=4,
+            K_PAD=triton.next_power_of_2(top_k), RENORM=renormalize, BLOCK_T=block_t,
+            E_PAD=triton.next_power_of_2(e), num_warps=1 if block_t == 1 else 4,
             **pdl_kwargs(router_logits))
     return weights, ids
 
