@@ -14,16 +14,15 @@ feature that dropped a bias, or added it to another row, fails.
 """
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
 from tests.models.conftest import load_tiny
+from tests.models.test_lora import make_adapter
 from tgraph.errors import ConfigError
 from tgraph.models.base.graph import GraphState, torch_to_graph
 from tgraph.models.base.logit_bias import LogitBias, LogitBiasDecorator
@@ -203,17 +202,6 @@ def test_bad_biases_are_refused(tiny_model):
 
 
 # ---- stacked with LoRA --------------------------------------------------------------------------
-def make_adapter(hf: Any, path: Path, seed: int, **lora_kwargs: Any) -> Any:
-    """Save a random PEFT adapter of ``hf`` (non-zero B) and return the PEFT model."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    config = LoraConfig(init_lora_weights=False, **lora_kwargs)
-    peft_model = get_peft_model(copy.deepcopy(hf), config).eval()
-    peft_model.save_pretrained(path)
-    return peft_model
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_model, tmp_path_factory):
     tm = tiny_model("llama")

@@ -20,27 +20,13 @@ from tgraph.runtime.engine_process import EngineProcess  # noqa: E402
 from tgraph.runtime.llm import LLM  # noqa: E402
 from tgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from tgraph.serve import ServerConfig, ServerThread  # noqa: E402
-from tgraph.testing import make_tiny_hf_model  # noqa: E402
 
 MODEL = "tiny"
-DEMO_VOCAB = 768
 MAX_TOKENS = 6
 PROMPT = "The river began high in the mountains"
 TIMEOUT = 120.0
 OPTIONS = dict(device="cpu", dtype="float32", graph="eager", max_model_len=64, block_size=4,
                num_blocks=64)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
-
-    path = tmp_path_factory.mktemp("serve-bias-model")
-    tok = build_demo_tokenizer(path / "tok")
-    tok.save_pretrained(path)
-    make_tiny_hf_model("llama", path, seed=1, vocab_size=DEMO_VOCAB,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -25,26 +25,12 @@ from tgraph.runtime.engine_process import EngineProcess  # noqa: E402
 from tgraph.runtime.llm import LLM  # noqa: E402
 from tgraph.runtime.sampling_params import SamplingParams  # noqa: E402
 from tgraph.serve import ServerConfig, ServerThread, build_app  # noqa: E402
-from tgraph.testing import make_tiny_hf_model  # noqa: E402
 
 MODEL = "tiny"
 KEY = "sk-test"
-DEMO_VOCAB = 768  # the demo tokenizer's vocabulary
 MAX_TOKENS = 8
 PROMPTS = ["The river began high in the mountains", "A computer does not", "Engineers measure"]
 TIMEOUT = 120.0  # seconds any one request may take on a slow CI core
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
-
-    path = tmp_path_factory.mktemp("serve-model")
-    tok = build_demo_tokenizer(path / "tok")
-    tok.save_pretrained(path)
-    make_tiny_hf_model("llama", path, seed=1, vocab_size=DEMO_VOCAB,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    return path
 
 
 # 96 blocks of 4 tokens: 64 clients of ~20 tokens each do not all fit, so some wait.
