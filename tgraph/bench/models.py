@@ -52,17 +52,12 @@ class PresetResult:
 
 def random_weights(hf_config: dict, dtype: torch.dtype, device: str) -> dict[str, torch.Tensor]:
     """Random tensors under the checkpoint names and shapes of the HF model of ``hf_config``."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from tgraph.bench.random_loader import checkpoint_shapes
 
-    cfg = AutoConfig.for_model(**hf_config)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(cfg)
     weights = {}
     gen = torch.Generator(device=device).manual_seed(0)
-    for name, t in meta.state_dict().items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
-        w = torch.empty(t.shape, dtype=dtype, device=device)
+    for name, shape in checkpoint_shapes(hf_config).items():
+        w = torch.empty(shape, dtype=dtype, device=device)
         if name.endswith("norm.weight"):
             w.fill_(1.0)
         else:

@@ -18,6 +18,7 @@ import re
 
 import torch
 
+from tgraph.bench.random_loader import checkpoint_shapes
 from tgraph.io.model_config import ModelConfig
 from tgraph.io.weights import DictWeightLoader
 from tgraph.models.loading import build_model
@@ -62,20 +63,13 @@ def dense_sizes(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
 def _checkpoint_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the HF checkpoint of ``hf_config``, one tensor per expert (as saved
     on disk; transformers 5 stacks them in memory)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model(**hf_config)
-    with torch.device("meta"):
-        meta = AutoModelForCausalLM.from_config(cfg)
     mixtral = hf_config["model_type"] == "mixtral"
     gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
     shapes = {}
-    for name, t in meta.state_dict().items():
-        if cfg.tie_word_embeddings and name == "lm_head.weight":
-            continue
+    for name, shape in checkpoint_shapes(hf_config).items():
         prefix, _, leaf = name.rpartition(".")
         if prefix.endswith(".experts") and leaf in ("gate_up_proj", "down_proj"):
-            e, rows, cols = t.shape
+            e, rows, cols = shape
             for i in range(e):
                 if leaf == "gate_up_proj":
                     shapes[f"{prefix}.{i}.{gate}.weight"] = (rows // 2, cols)
@@ -83,7 +77,7 @@ def _checkpoint_shapes(hf_config: dict) -> dict[str, tuple[int, ...]]:
                 else:
                     shapes[f"{prefix}.{i}.{down}.weight"] = (rows, cols)
         else:
-            shapes[name] = tuple(t.shape)
+            shapes[name] = shape
     return shapes
 
 

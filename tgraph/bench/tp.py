@@ -1,9 +1,12 @@
 """Tensor-parallel decode latency: ``torchrun --nproc-per-node N -m tgraph.bench.tp PRESET``.
 
-Every rank builds the same random weights (same seed), loads its shard, captures decode graphs
-and times one decode step at context 512; rank 0 prints the table, with whether the collectives
-were captured inside the CUDA graphs and how many graphs one decode step replays. With N=1 it
-runs without torchrun as well.
+Every rank draws only its own shard of random weights as the model loads it
+(:class:`~tgraph.bench.random_loader.RandomWeightLoader`: a 70B model never exists whole), captures
+decode graphs and times one decode step at context 512; rank 0 prints the table with the
+per-rank weight-read bound (the rank's resident weight bytes over the copy bandwidth the same
+run measured), whether the collectives were captured inside the CUDA graphs and how many graphs
+one decode step replays. With N=1 it runs without torchrun as well: the one-GPU row of a model
+that fits one GPU.
 
 Options: ``--batches 1 16`` (decode batch sizes), ``--no-capture-collectives`` (run every
 collective between graphs, as ``llm.engine.capture_collectives=false`` does).
@@ -43,6 +46,18 @@ def decode_graph_report(engine: Any) -> dict[str, Any]:
             "host_segments": stats.segment_count - stats.capturable_segments}
 
 
+def rank_weight_bytes(engine: Any) -> int:
+    """Bytes of the weights an engine holds (each storage counted once): this rank's shard."""
+    seen, total = set(), 0
+    for w in engine.weights.values():
+        data = getattr(w, "qdata", w)
+        key = (data.untyped_storage().data_ptr(), data.storage_offset(), tuple(data.shape))
+        if key not in seen:
+            seen.add(key)
+            total += w.nbytes
+    return total
+
+
 def describe(report: dict[str, Any]) -> str:
     """One line for :func:`decode_graph_report`'s result."""
     n, k = report["collectives"], report["captured_collectives"]
@@ -60,10 +75,10 @@ def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool 
         batches: decode batch sizes.
         capture_collectives: record NCCL collectives capturable (one graph per step).
     """
-    from tgraph.bench.models import CONTEXT, decode_batch, random_weights
-    from tgraph.bench.timing import time_ms
+    from tgraph.bench.models import CONTEXT, decode_batch
+    from tgraph.bench.random_loader import RandomWeightLoader
+    from tgraph.bench.timing import measure_ceilings, time_ms
     from tgraph.io.model_config import ModelConfig
-    from tgraph.io.weights import DictWeightLoader
     from tgraph.models.loading import build_model
     from tgraph.models.presets import preset
 
@@ -73,12 +88,11 @@ def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool 
     rank, ws = (info.rank, info.world_size) if info else (0, 1)
     device = torch.device("cuda", torch.cuda.current_device())
     hf_config = preset(name)
-    weights = random_weights(hf_config, torch.bfloat16, str(device))
-    loader = DictWeightLoader(weights, device=device, dtype=torch.bfloat16, rank=rank,
-                              world_size=ws)
+    loader = RandomWeightLoader(hf_config, device, torch.bfloat16, rank=rank, world_size=ws)
     model = build_model(ModelConfig.from_dict(hf_config), loader, max_model_len=1024)
-    del weights, loader
+    del loader
     torch.cuda.empty_cache()
+    copy_gbps = measure_ceilings().copy_gbps
     model.allocate_kv_cache(max(batches) * (CONTEXT // 16 + 2) + 1)
     model.capture_decode_graphs(list(batches))
     rows = []
@@ -88,11 +102,14 @@ def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool 
         ms = time_ms(lambda: model.run(meta), warmup=3, iters=30)
         rows.append((b, ms, tuple(logits.shape)))
     engine = model.engines[(False, ())]
+    bound_ms = rank_weight_bytes(engine) / (copy_gbps * 1e9) * 1e3
     if rank == 0:
         print(f"{name} tp={ws} ({info.backend if info else 'no process group'}): "
               f"{engine.stats.kernel_count} kernels; {describe(decode_graph_report(engine))}")
+        print(f"  per-rank weight-read bound {bound_ms:.3f} ms ({copy_gbps:.0f} GB/s copy)")
         for b, ms, shape in rows:
-            print(f"  batch {b:>3}: {ms:.3f} ms per decode step (logits {shape})")
+            print(f"  batch {b:>3}: {ms:.3f} ms per decode step ({ms / bound_ms:.2f}x the "
+                  f"bound; logits {shape})")
     model.release_graphs()  # graphs holding NCCL collectives go before the communicator
     distributed.destroy_process_group()
 

@@ -5,6 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 PRESETS: dict[str, dict[str, Any]] = {
+    # The CPU bench's model when its GGUF cannot be fetched (tgraph.bench.cpu).
+    "smollm2-135m": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=49152,
+        hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,
+        max_position_embeddings=8192, tie_word_embeddings=True, torch_dtype="bfloat16"),
     "llama-3.2-1b": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -32,6 +38,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         model_type="mistral", architectures=["MistralForCausalLM"], vocab_size=32000,
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
+        max_position_embeddings=32768, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # Tensor-parallel shapes (tgraph.bench.tp): 141 GB and 145 GB in bf16, more than one GPU.
+    "llama-3-70b": dict(
+        model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=500000.0,
+        max_position_embeddings=8192, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    "qwen2.5-72b": dict(
+        model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=152064,
+        hidden_size=8192, intermediate_size=29568, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8, rms_norm_eps=1e-6, rope_theta=1000000.0,
         max_position_embeddings=32768, tie_word_embeddings=False, torch_dtype="bfloat16"),
     # Mixture of experts: 128 experts of 768, 8 per token (3.3B of 30.5B parameters active).
     "qwen3-30b-a3b": dict(
