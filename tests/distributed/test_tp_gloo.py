@@ -291,7 +291,7 @@ def test_fusion_structure(tp_run: TPRun) -> None:
         assert report["fusion_linear_triton_unfused"]["kernels"] == ["triton.all_reduce"]
 
 
-@pytest.mark.parametrize("name", ["split", "replicated"])
+@pytest.mark.parametrize("name", ["split", "replicated", "moe"])
 def test_fused_model_matches_unfused(tp_run: TPRun, name: str) -> None:
     layers = 2
     for r in range(2):
@@ -304,7 +304,8 @@ def test_fused_model_matches_unfused(tp_run: TPRun, name: str) -> None:
         for kind in ("prefill", "decode"):
             fused = engines[f"{name}_static"][kind]
             unfused = engines[f"{name}_static_unfused"][kind]
-            # Each layer's o_proj and down_proj all-reduce meet a residual add and a norm.
+            # Each layer's o_proj and down_proj all-reduce meet a residual add and a norm (the
+            # MoE block's one all-reduce sums its routed and shared experts' partials).
             assert fused["fusion_matches"] == 2 * layers
             assert fused["fused_in_place"] == [True] * (2 * layers)
             assert unfused["fusion_matches"] == 0

@@ -176,7 +176,8 @@ class RowParallelLinear(LinearBase):
     """Input features split across ranks (weight dim 1); partial sums are all-reduced.
 
     The bias is added once (by the all-reduced result), so every rank holds it whole and only
-    rank 0's copy is applied before the reduction.
+    rank 0's copy is applied before the reduction. A module that sums this linear's output with
+    other partial sums first sets ``reduce_output = False`` and all-reduces the total once.
     """
 
     def __init__(self, loader: WeightLoader, prefix: str, in_features: int, out_features: int,
@@ -192,10 +193,11 @@ class RowParallelLinear(LinearBase):
         if bias and not has_bias:
             loader.mark_used(f"{prefix}.bias")
         self.rank, self.world_size = rank, ws
+        self.reduce_output = True
 
     def forward(self, x: Tensor) -> Tensor:
         out = LinearBase.forward(self, x)
-        if self.world_size > 1:
+        if self.world_size > 1 and self.reduce_output:
             from tgraph.nn import distributed
 
             out = distributed.all_reduce(out)

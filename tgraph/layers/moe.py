@@ -166,15 +166,18 @@ class SparseMoeBlock(Module):
                                      intermediate_size=moe.shared_intermediate_size)
             self.shared_expert_gate = ReplicatedLinear(loader, f"{prefix}.shared_expert_gate",
                                                        hidden, 1)
+            # Its partial sum joins the routed experts' before the block's one all-reduce
+            # (the gate is the same on every rank, so it scales the partials alike).
+            self.shared_expert.down_proj.reduce_output = False
 
     def forward(self, x: Tensor) -> Tensor:
         out = self.experts(x, self.gate(x))
-        if self.experts.world_size > 1:
+        if self.has_shared_expert:
+            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        if self.experts.world_size > 1:  # one all-reduce for the routed and shared experts
             from tgraph.nn import distributed
 
             out = distributed.all_reduce(out)
-        if self.has_shared_expert:
-            out = out + F.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
 
 

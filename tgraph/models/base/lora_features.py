@@ -238,7 +238,8 @@ class _LoraLinear:
             out = linear._linear(x, linear.weight, linear.bias) + F.linear(xa, weight)
         else:
             out = F.linear(xcat, weight, linear.bias)
-        if isinstance(linear, RowParallelLinear) and linear.world_size > 1:
+        if isinstance(linear, RowParallelLinear) and linear.world_size > 1 \
+                and linear.reduce_output:
             # each rank's x_r W_r + B (A_r x_r): one all-reduce sums base and delta alike
             out = distributed.all_reduce(out)
         return out
