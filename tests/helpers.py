@@ -250,3 +250,9 @@ def linear_operands(M: int, N: int, K: int, dtype: torch.dtype, gated: bool, dev
     b = torch.randn(rows, generator=gen).to(dtype).to(device)
     r = torch.randn(M, N, generator=gen).to(dtype).to(device)
     return x, w, b, r
+
+
+# Quantized linears on the CPU computed exactly (dequantized once, cached), not through torch's
+# packed bf16 kernels: for tests that hold a quantized model to transformers' greedy tokens
+# token for token (the packed kernels' own tolerance: tests/kernels/test_cpu_quant_linear.py).
+EXACT_CPU_QUANT = {"llm.engine.tuning.cpu.bf16_quant_activations": False}

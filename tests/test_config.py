@@ -259,3 +259,19 @@ def test_tuning_dataclasses_are_frozen_and_checked():
         t.gemv.tma_weights = False  # type: ignore[misc]
     with pytest.raises(ValueError, match="GemvTuning.small_m_max"):
         tuning.GemvTuning(small_m_max=0)
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, "4", True])
+def test_cpu_threads_is_a_positive_int_or_null(value):
+    with pytest.raises(ConfigError, match="llm.engine.cpu_threads"):
+        load_settings(None, {"llm.engine.cpu_threads": value})
+
+
+def test_cpu_threads_default_is_every_core():
+    from tgraph.runtime.llm import cpu_threads
+
+    assert load_settings().llm.engine.cpu_threads is None
+    assert load_settings(None, {"llm.engine.cpu_threads": 3}).llm.engine.cpu_threads == 3
+    assert cpu_threads(3) == 3
+    cores = cpu_threads(None)
+    assert cores >= 1 and cpu_threads(None, world_size=cores * 2) == 1

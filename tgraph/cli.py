@@ -259,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     rules.add_argument("--module-map", help="Python file that registers custom models")
     rules.set_defaults(func=_rules)
 
-    bench = sub.add_parser("bench", help="benchmark on a GPU (same as python -m tgraph.bench)",
-                           add_help=False)
+    bench = sub.add_parser("bench", help="benchmark (same as python -m tgraph.bench; only "
+                                         "`bench cpu` runs without a GPU)", add_help=False)
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)  # handled in main()
 
     demo = sub.add_parser("demo", help="tgraph vs HF transformers chatting with SmolLM2-135M "

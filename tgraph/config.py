@@ -174,6 +174,10 @@ SCHEMA: dict[str, Any] = {
                 "at token buckets (0: prefill runs uncaptured)"),
             "disabled_passes": Field(_strings(), "names of graph passes to skip"),
             "rules": Field(_rules(), "extra fusion rules (path or inline), or null"),
+            "cpu_threads": Field(
+                _int(1, nullable=True),
+                "torch threads of a model on the CPU; null: every core this process may use "
+                "(divided among tensor-parallel ranks)"),
             "tuning": _tuning_schema(tuning.leaf_types()),
         },
         "cache": {

@@ -27,6 +27,7 @@ import torch
 
 from tgraph import envs
 from tgraph.errors import TGraphError
+from tgraph.runtime.speed import Speed, tgraph_speed, transformers_speed
 
 DEMO_PROMPTS = [
     "The river began high in the mountains",
@@ -195,7 +196,6 @@ def run_chat_demo(path: Path, max_tokens: int = 40, graph: str = "static",
         0 when the tokens agree for every prompt, else 1.
     """
     from tgraph.runtime.llm import LLM
-    from tgraph.runtime.sampling_params import SamplingParams
 
     print(f"demo model: {path}")
     print(f"  {title + '; ' if title else ''}greedy, fp32, at most {max_tokens} new tokens per "
@@ -204,33 +204,34 @@ def run_chat_demo(path: Path, max_tokens: int = 40, graph: str = "static",
     llm = LLM(path, graph=graph, device=device, dtype="float32", max_model_len=512)
     setup = time.perf_counter() - start
     prompts = [llm.encode(p, chat=True) for p in CHAT_PROMPTS]
-    # Warm-up: first calls compile kernels (GPU) and build the engines; keep that out of tokens/s.
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
-    start = time.perf_counter()
-    results = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
-    ours_s = time.perf_counter() - start
-    theirs, hf_load, hf_s, hf_bytes = _hf_chat(path, prompts, max_tokens, llm.eos_token_ids)
+    # Tokens/s as `tgraph bench cpu` measures them: a fixed number of tokens per prompt (EOS
+    # ignored); each answer is its tokens up to the first EOS.
+    ours = tgraph_speed(llm, prompts, len(prompts), max_tokens)
+    theirs, hf_load, hf_speed, hf_bytes = _hf_chat(path, prompts, max_tokens)
+    eos = set(llm.eos_token_ids)
+    results = [_until_eos(ids, eos) for ids in ours.token_ids]
+    theirs = [_until_eos(ids, eos) for ids in theirs]
 
     agree = 0
     for i, (question, result, ref) in enumerate(zip(CHAT_PROMPTS, results, theirs), 1):
-        same = result.token_ids == ref
+        same = result == ref
         agree += same
         answer = llm.tokenizer.decode(ref, skip_special_tokens=True)
         mark = (f"agree ({len(ref)} tokens)" if same else
-                f"DIFFER at token {_first_diff(result.token_ids, ref)}")
+                f"DIFFER at token {_first_diff(result, ref)}")
         print(f"[{i}] {question}")
-        print(f"    tgraph       : {_one_line(result.text)}")
+        print(f"    tgraph       : "
+              f"{_one_line(llm.tokenizer.decode(result, skip_special_tokens=True))}")
         print(f"    transformers : {_one_line(answer)}")
         print(f"    tokens       : {mark}")
-    ours_tokens = sum(len(r.token_ids) for r in results)
-    hf_tokens = sum(len(r) for r in theirs)
     ours_bytes = _resident_bytes(llm.model)
     dev = llm.model.llm_config.device
     print(f"tokens agree for {agree}/{len(prompts)} prompts (greedy, fp32, {dev})")
     rows = [("", "tokens/s", "load s", "weights MB", "how"),
-            (f"tgraph {graph}", f"{ours_tokens / ours_s:.1f}", f"{setup:.1f}",
+            (f"tgraph {graph}", f"{ours.tokens_per_second:.1f}", f"{setup:.1f}",
              f"{ours_bytes / 1e6:.1f}", f"{len(prompts)} prompts batched; weights kept quantized"),
-            ("transformers", f"{hf_tokens / hf_s:.1f}", f"{hf_load:.1f}", f"{hf_bytes / 1e6:.1f}",
+            ("transformers", f"{hf_speed.tokens_per_second:.1f}", f"{hf_load:.1f}",
+             f"{hf_bytes / 1e6:.1f}",
              "one prompt at a time, eager; weights dequantized to fp32")]
     widths = [max(len(r[c]) for r in rows) for c in range(4)]
     for r in rows:
@@ -239,10 +240,10 @@ def run_chat_demo(path: Path, max_tokens: int = 40, graph: str = "static",
     return 0 if agree == len(prompts) else 1
 
 
-def _hf_chat(path: Path, prompts: list[list[int]], max_tokens: int, eos: list[int]
-             ) -> tuple[list[list[int]], float, float, int]:
-    """transformers' greedy answers from the same GGUF file: (tokens, load s, generate s,
-    weight bytes)."""
+def _hf_chat(path: Path, prompts: list[list[int]], max_tokens: int
+             ) -> tuple[list[list[int]], float, Speed, int]:
+    """transformers' greedy tokens from the same GGUF file, one prompt at a time: (tokens,
+    load s, speed, weight bytes)."""
     from transformers import AutoModelForCausalLM
 
     start = time.perf_counter()
@@ -250,14 +251,16 @@ def _hf_chat(path: Path, prompts: list[list[int]], max_tokens: int, eos: list[in
                                                  dtype=torch.float32).eval()
     load = time.perf_counter() - start
     weights = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
-    outputs, start = [], time.perf_counter()
-    with torch.no_grad():
-        for ids in prompts:
-            x = torch.tensor([ids])
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_tokens,
-                                 do_sample=False, eos_token_id=eos, pad_token_id=eos[0])
-            outputs.append(out[0, len(ids):].tolist())
-    return outputs, load, time.perf_counter() - start, sum(weights.values())
+    speed = transformers_speed(model, prompts, 1, max_tokens)
+    return speed.token_ids, load, speed, sum(weights.values())
+
+
+def _until_eos(ids: list[int], eos: set[int]) -> list[int]:
+    """``ids`` up to and including the first EOS token."""
+    for i, t in enumerate(ids):
+        if t in eos:
+            return ids[:i + 1]
+    return ids
 
 
 def _resident_bytes(model: Any) -> int:

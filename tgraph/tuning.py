@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["DecodeAttentionTuning", "DecodeTiles", "GemvConfig", "GemvOverride", "GemvTuning",
-           "LoraTuning", "MoeTuning", "PrefetchTuning", "QuantGemmTuning", "QuantGemvTuning",
-           "Tuning", "convert", "describe", "from_dict", "leaf_types", "to_dict"]
+__all__ = ["CpuTuning", "DecodeAttentionTuning", "DecodeTiles", "GemvConfig", "GemvOverride",
+           "GemvTuning", "LoraTuning", "MoeTuning", "PrefetchTuning", "QuantGemmTuning",
+           "QuantGemvTuning", "Tuning", "convert", "describe", "from_dict", "leaf_types", "to_dict"]
 
 
 def knob(default: Any, doc: str, minimum: int = 1) -> Any:
@@ -236,6 +236,17 @@ class MoeTuning(_Section):
 
 
 @dataclass(frozen=True)
+class CpuTuning(_Section):
+    """The CPU backend (``tgraph.kernels.cpu_backend``)."""
+
+    bf16_quant_activations: bool = knob(
+        True, "int4 / per-channel int8 linears run torch's packed kernels on bf16 activations "
+              "and scales (fp32 activations take a ~30x slower path): ~0.2-0.4% error per "
+              "linear; false dequantizes each quantized weight once into a cached exact dense "
+              "copy (4-8x its packed bytes)")
+
+
+@dataclass(frozen=True)
 class Tuning(_Section):
     """Every kernel family's launch settings; the engine holds one (``Engine.tuning``)."""
 
@@ -246,6 +257,7 @@ class Tuning(_Section):
     prefetch: PrefetchTuning = section(PrefetchTuning, "the batch-1 L2 weight prefetch")
     quant_gemm: QuantGemmTuning = section(QuantGemmTuning, "prefill GEMMs on quantized weights")
     moe: MoeTuning = section(MoeTuning, "routed experts")
+    cpu: CpuTuning = section(CpuTuning, "the CPU backend's quantized linears")
 
 
 # ------------------------------------------------------------------------- dicts and settings

@@ -27,6 +27,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from tests.helpers import EXACT_CPU_QUANT
 from tgraph.cli import main
 from tgraph.errors import ConfigError, WeightLoadError
 from tgraph.io.checkpoint import open_checkpoint
@@ -378,7 +379,7 @@ def test_llama3_rope_factors_become_llama3_scaling(tmp_path: Path,
     model_cfg, loader = open_checkpoint(with_freqs, config)
     assert "rope_freqs.weight" not in loader.names()  # consumed by the config, not a weight
     llm = LLM(with_freqs, device="cpu", dtype="float32", max_model_len=64, num_blocks=32,
-              block_size=4)
+              block_size=4, **EXACT_CPU_QUANT)
     prompt = list(range(1, 40))
     got = llm.generate([prompt], GREEDY)[0].token_ids
     assert got == hf_greedy(hf, [prompt], STEPS)[0]
@@ -390,7 +391,7 @@ def test_llama3_rope_factors_become_llama3_scaling(tmp_path: Path,
 def test_greedy_tokens_match_transformers(variant: str, graph: str, tiny_gguf: Callable) -> None:
     path, ref = tiny_gguf(variant)
     llm = LLM(path, device="cpu", dtype="float32", graph=graph, max_model_len=64, num_blocks=64,
-              block_size=4)
+              block_size=4, **EXACT_CPU_QUANT)
     # Quantized weights stay quantized in the built model.
     quantized = [n for n, p in llm.model.named_parameters() if hasattr(p.data, "scheme")]
     assert quantized, "no weight was kept quantized"
@@ -415,7 +416,8 @@ def test_q_and_k_rows_are_unpermuted(tiny_gguf: Callable) -> None:
 
 def test_chat_template_from_metadata(tiny_gguf: Callable) -> None:
     path, _ = tiny_gguf("llama")
-    llm = LLM(path, device="cpu", dtype="float32", max_model_len=64, num_blocks=32, block_size=4)
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=64, num_blocks=32, block_size=4,
+              **EXACT_CPU_QUANT)
     ids = llm.encode("hi", chat=True)
     text = llm.tokenizer.decode(ids)
     assert text.startswith("<|begin_of_text|>### user\nhi\n### assistant\n"), text

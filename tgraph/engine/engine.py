@@ -45,7 +45,7 @@ from tgraph.tuning import Tuning
 __all__ = ["BACKENDS", "CaptureHandle", "Engine", "EngineStats", "build_engine"]
 
 _MAX_BINDINGS = 64
-BACKENDS = ("auto", "reference", "triton")
+BACKENDS = ("auto", "reference", "triton", "cpu")
 
 
 @dataclass
@@ -83,8 +83,10 @@ class Engine:
     and the memory plan are recomputed, once per distinct signature).
 
     Backends: ``"reference"`` runs every op through its torch reference; ``"triton"`` runs fused
-    Triton kernels (and cuBLAS) writing into one arena per device planned by liveness; ``"auto"``
-    (default) picks ``triton`` for CUDA inputs and ``reference`` otherwise. ``tuning`` holds the
+    Triton kernels (and cuBLAS) writing into one arena per device planned by liveness; ``"cpu"``
+    runs torch's CPU kernels (in-place GEMMs, packed int4/int8 matmuls, attention reading the
+    paged cache in place) into the same kind of arena; ``"auto"`` (default) picks ``triton`` for
+    CUDA inputs and ``cpu`` otherwise. ``tuning`` holds the
     kernels' launch settings (:class:`~tgraph.tuning.Tuning`; the measured defaults when None).
     ``features`` names the feature decorators (e.g. LoRA) the network was recorded with, shown by
     ``str(engine)``.
@@ -180,19 +182,20 @@ class Engine:
     # ---- plans --------------------------------------------------------------------------------
 
     def kernel_kind(self, device: torch.device | None) -> str:
-        """``"triton"`` or ``"reference"``: which kernels run for inputs on ``device``."""
+        """``"triton"``, ``"cpu"`` or ``"reference"``: which kernels run for inputs on
+        ``device``."""
         if self.backend != "auto":
             return self.backend
-        return "triton" if device is not None and device.type == "cuda" else "reference"
+        return "triton" if device is not None and device.type == "cuda" else "cpu"
 
     def plan_for(self, device: torch.device | None) -> LaunchPlan:
         """The launch plan for inputs on ``device`` (built on first use)."""
         kind = self.kernel_kind(device)
         if kind not in self._plans:
             select = None
-            if kind == "triton":
+            if kind != "reference":
                 def select(node):
-                    return select_kernel(node, self.tuning)
+                    return select_kernel(node, self.tuning, kind)
             self._plans[kind] = lower(self.net, select, self._node_devices)
         return self._plans[kind]
 
@@ -686,7 +689,7 @@ def build_engine(net: Network, *, passes: bool = True, disabled_passes: Sequence
         net: the recorded network; it is copied, never changed.
         passes: run the pass pipeline (``False`` builds the network exactly as recorded).
         disabled_passes: pass names to skip (``llm.engine.disabled_passes``).
-        backend: ``"auto"``, ``"reference"`` or ``"triton"`` (see :class:`Engine`).
+        backend: ``"auto"``, ``"reference"``, ``"triton"`` or ``"cpu"`` (see :class:`Engine`).
         tuning: the kernels' launch settings (``llm.engine.tuning``; defaults when None).
         features: the feature decorators the network was recorded with (``str(engine)`` lists
             them).

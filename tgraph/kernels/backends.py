@@ -1,8 +1,9 @@
 """The one place every kernel backend registers from, and the kernel choice of the engine.
 
-:func:`select_kernel` is what the engine's lowering calls for each node on the Triton backend:
-the registered entry (:mod:`tgraph.kernels.registry`) bound to the engine's tuning, else the
-op's torch reference writing into the planned buffers, so every network runs.
+:func:`select_kernel` is what the engine's lowering calls for each node on the Triton backend
+(CUDA) and the CPU backend: the registered entry (:mod:`tgraph.kernels.registry`) bound to the
+engine's tuning, else the op's torch reference writing into the planned buffers, so every
+network runs.
 """
 from __future__ import annotations
 
@@ -20,12 +21,15 @@ __all__ = ["load_backends", "select_kernel"]
 @functools.cache
 def load_backends() -> None:
     """Register every backend's kernels (once per process)."""
+    from tgraph.kernels.cpu_backend import core as cpu_core
     from tgraph.kernels.triton_backend import collective, core, lora, moe, sdpa
 
-    for module in (core, lora, collective, sdpa, moe):
-        for spec in module.KERNELS:
-            register_kernel(spec.op, "triton", spec.fn, supports=spec.supports, tuned=spec.tuned,
-                            name=spec.name)
+    backends = {"triton": (core, lora, collective, sdpa, moe), "cpu": (cpu_core,)}
+    for backend, modules in backends.items():
+        for module in modules:
+            for spec in module.KERNELS:
+                register_kernel(spec.op, backend, spec.fn, supports=spec.supports,
+                                tuned=spec.tuned, name=spec.name)
 
 
 def select_kernel(node: Node, tuning: Tuning, backend: str = "triton"

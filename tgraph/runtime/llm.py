@@ -20,6 +20,7 @@ from __future__ import annotations
 import gc
 import logging
 import operator
+import os
 import sys
 import time
 import weakref
@@ -62,6 +63,7 @@ _SHORT_KEYS = {
     "max_num_batched_tokens": "llm.scheduler.max_num_batched_tokens",
     "dtype": "llm.model.dtype", "device": "llm.model.device",
     "capture_collectives": "llm.engine.capture_collectives",
+    "cpu_threads": "llm.engine.cpu_threads",
 }
 
 Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
@@ -159,6 +161,8 @@ class LLM:
             rank=rank, world_size=world_size, rules=rules)
         if world_size > 1:
             distributed.check_same_config(self.model.llm_config, what="model config")
+        if self.model.llm_config.device.type == "cpu":
+            torch.set_num_threads(cpu_threads(llm.engine.cpu_threads, world_size))
         self.load_seconds = time.perf_counter() - start
         # Adapters first: loading the first one re-lays the target weights out with room for
         # the adapters' B columns, which the KV-cache sizing below must see, and which would
@@ -386,6 +390,18 @@ class LLM:
         finally:
             stream.cancel()
         return [stream.outputs[rid] for rid in stream.request_ids]
+
+
+def cpu_threads(setting: int | None, world_size: int = 1) -> int:
+    """The torch threads a CPU model runs on: ``llm.engine.cpu_threads``, or every core this
+    process may use shared among ``world_size`` ranks (at least one)."""
+    if setting is not None:
+        return setting
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // world_size)
 
 
 def encode_prompt(tokenizer: Any, prompt: str | Sequence[int], chat: bool = False) -> list[int]:

@@ -1,0 +1,118 @@
+"""Quantized linears on the CPU through torch's packed kernels, packed once per weight.
+
+- ``int4`` (any group size torch's kernel takes, symmetric or with offsets, e.g. GGUF ``Q4_0``,
+  ``Q4_1``, ``Q4_K``, GPTQ/AWQ W4A16): ``aten._weight_int4pack_mm_for_cpu`` on the codes repacked
+  by ``aten._convert_weight_to_int4pack_for_cpu``. The kernel computes ``(q - 8) * s + z`` per
+  group, so an offset ``b`` becomes ``z = b + 8 s`` (where the reference computes ``s * q + b``).
+- ``int8`` with one scale per output channel (W8A16): ``aten._weight_int8pack_mm`` on the codes as
+  they are (offsets add ``sum(x) * b``).
+- Both kernels run fast only on bf16 activations and scales (fp32 takes a ~30x slower path), so
+  activations, scales and zeros are rounded to bf16 and the bf16 output widened: at most ~3 x
+  2^-9 of an output's scale (``tgraph.tuning.CpuTuning.bf16_quant_activations``).
+- Everything else (``int8`` with group scales such as GGUF ``Q8_0``, ``fp8``, int4 groups the
+  kernel refuses, non-fp32 activations) and the exact mode (``bf16_quant_activations=False``):
+  the weight dequantized once, at first use, into a dense copy that is cached. That is exact but
+  holds the dense bytes; the reference path (``impl="reference"``) dequantizes per call.
+
+Packed forms are cached per weight (keyed by the codes tensor, dropped with it), never per step.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from tgraph.quant import QuantizedWeight, unpack_int4
+
+__all__ = ["INT4_GROUP_SIZES", "PackedLinear", "packed_linear"]
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
+# The packed kernels' vectorised path takes bf16 activations and scales (fp32 runs ~30x slower).
+_ACT = torch.bfloat16
+
+
+class PackedLinear:
+    """A quantized weight in the form a CPU kernel reads, and ``run(x2, out2)``: ``out2 = x2 @
+    w.T`` for fp32 ``x2 [M, K]``.
+
+    Attributes:
+        how: ``"int4pack"``, ``"int8pack"`` or ``"dense"`` (what ``str`` and tests report).
+    """
+
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True) -> None:
+        self.perm = self.source_perm = w.perm
+        self.n, self.k = w.shape
+        self.dtype = dtype
+        scheme = w.scheme
+        group = scheme.block[1]
+        packable = bf16 and dtype == torch.float32
+        if packable and scheme.kind == "int4" and group in INT4_GROUP_SIZES \
+                and self.k % group == 0:
+            self.how = "int4pack"
+            codes = unpack_int4(w.qdata).to(torch.int32)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+            self.group = group
+            s = w.scale.t()  # (K / G, N)
+            z = torch.zeros_like(s) if w.offset is None else w.offset.t() + 8.0 * s
+            self.scales_zeros = torch.stack((s, z), dim=-1).to(_ACT).contiguous()
+        elif packable and scheme.kind == "int8" and group == self.k:
+            self.how = "int8pack"
+            self.packed = w.qdata.contiguous()
+            self.scales = w.scale.reshape(self.n).to(_ACT).contiguous()
+            self.offsets = None if w.offset is None else w.offset.reshape(self.n).contiguous()
+        else:
+            self.how = "dense"
+            self.packed = w.dequantize(dtype)
+            self.perm = None  # dequantize() put the columns back in place
+
+    def run(self, x2: torch.Tensor, out2: torch.Tensor) -> None:
+        """``out2 = x2 @ w.T`` (``x2``: ``[M, K]`` in the packed dtype)."""
+        if self.perm is not None:
+            x2 = x2.index_select(1, self.perm)
+        if self.how == "dense":
+            torch.mm(x2, self.packed.t(), out=out2)
+            return
+        xa = x2.to(_ACT)
+        if self.how == "int4pack":
+            out2.copy_(torch.ops.aten._weight_int4pack_mm_for_cpu(
+                xa, self.packed, self.group, self.scales_zeros))
+            return
+        out2.copy_(torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scales))
+        if self.offsets is not None:
+            out2.addr_(x2.sum(1), self.offsets)
+
+
+# (id(codes tensor), dtype, bf16) -> (a weak reference to the codes, packed form); an entry
+# leaves with its codes.
+_CACHE: dict[tuple[int, torch.dtype, bool], tuple[weakref.ref, PackedLinear]] = {}
+
+
+def _forget(key: tuple[int, torch.dtype, bool]) -> None:
+    _CACHE.pop(key, None)
+
+
+def packed_linear(w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True) -> PackedLinear:
+    """``w`` packed for the CPU kernels at activation dtype ``dtype`` (made on first use).
+
+    Args:
+        w: the quantized weight.
+        dtype: the activations' dtype.
+        bf16: take the packed kernels' bf16 path (``CpuTuning.bf16_quant_activations``); false
+            gives the exact dense copy.
+    """
+    key = (id(w.qdata), dtype, bf16)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is w.qdata and hit[1].source_perm is w.perm \
+            and (hit[1].n, hit[1].k) == tuple(w.shape):
+        return hit[1]
+    packed = PackedLinear(w, dtype, bf16)
+    if hit is None:
+        weakref.finalize(w.qdata, _forget, key)
+    _CACHE[key] = (weakref.ref(w.qdata), packed)
+    return packed
+
+
+def cached_forms() -> list[Any]:
+    """The packed forms alive now (for tests)."""
+    return [entry[1] for entry in _CACHE.values()]
