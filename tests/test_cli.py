@@ -8,23 +8,15 @@ from pathlib import Path
 import pytest
 
 from tgraph.cli import main
-from tgraph.testing import make_tiny_hf_model
+from tgraph.testing import make_tiny_text_model
 
 # The demo tokenizer has 768 tokens: the model's vocabulary must cover it.
-DEMO_VOCAB = 768
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint with the demo tokenizer saved in it."""
-    from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
-
-    path = tmp_path_factory.mktemp("cli-llama")
-    tok = build_demo_tokenizer(path / "tok")
-    tok.save_pretrained(path)
-    shutil.rmtree(path / "tok")  # leave only checkpoint + tokenizer files, as a user would
-    return make_tiny_hf_model("llama", path, seed=2, vocab_size=DEMO_VOCAB,
-                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    return make_tiny_text_model(tmp_path_factory.mktemp("cli-llama"), seed=2)
 
 
 def test_demo_tokens_agree(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

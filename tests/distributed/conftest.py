@@ -6,22 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from tgraph.testing import make_tiny_hf_model
-
-DEMO_VOCAB = 768  # the demo tokenizer's size
+from tgraph.testing import make_tiny_text_model
 
 
 @pytest.fixture(scope="session")
 def tp_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama with the demo tokenizer (heads, KV heads, MLP and vocab split 2 ways)."""
-    from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
-
-    path = tmp_path_factory.mktemp("tp-llama")
-    tok = build_demo_tokenizer(path / "tok")
-    tok.save_pretrained(path)
-    shutil.rmtree(path / "tok")
-    return make_tiny_hf_model("llama", path, seed=3, vocab_size=DEMO_VOCAB,
-                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    return make_tiny_text_model(tmp_path_factory.mktemp("tp-llama"), seed=3)
 
 
 @pytest.fixture(scope="session")

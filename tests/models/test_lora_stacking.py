@@ -22,7 +22,7 @@ import torch
 from tests.models.conftest import load_tiny
 from tests.models.test_lora import make_adapter, oracle_logits, rel_err, run_steps
 from tgraph.errors import WeightLoadError
-from tgraph.testing import make_tiny_hf_model
+from tgraph.testing import make_tiny_text_model
 
 REL_TOL = 1e-4
 ADAPTER_EFFECT = 5e-2
@@ -233,14 +233,7 @@ def cli_setup(tmp_path_factory):
     """A tiny Llama with the demo tokenizer (text prompts), a single and a multi adapter."""
     from transformers import AutoModelForCausalLM
 
-    from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
-
-    path = tmp_path_factory.mktemp("cli-stack")
-    tok = build_demo_tokenizer(path / "tok")
-    tok.save_pretrained(path)
-    shutil.rmtree(path / "tok")
-    make_tiny_hf_model("llama", path, seed=2, vocab_size=768, bos_token_id=tok.bos_token_id,
-                       eos_token_id=tok.eos_token_id)
+    path = make_tiny_text_model(tmp_path_factory.mktemp("cli-stack"), seed=2)
     hf = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
     root = tmp_path_factory.mktemp("cli-stack-adapters")
     for name, spec in (("dom", SINGLE["dom"]), ("qv", MULTI["qv"])):

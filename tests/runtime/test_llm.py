@@ -16,7 +16,7 @@ import torch
 from tgraph.errors import RequestTooLongError
 from tgraph.runtime.llm import LLM, RequestOutput
 from tgraph.runtime.sampling_params import SamplingParams
-from tgraph.testing import make_tiny_hf_model
+from tgraph.testing import make_tiny_hf_model, make_tiny_text_model
 
 # Prompts of different lengths (1 to 9 tokens) spanning several 4-token cache blocks.
 PROMPTS: list[list[int]] = [
@@ -31,7 +31,6 @@ MAX_MODEL_LEN = 64
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 # The demo tokenizer has 768 tokens: the text model needs a vocabulary that covers it.
-DEMO_VOCAB = 768
 TEXT_PROMPTS = ["The river began high in the mountains", "A computer does not",
                 "Engineers measure"]
 
@@ -45,14 +44,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def text_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny random Llama checkpoint with the demo tokenizer saved next to it."""
-    from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
-
-    path = tmp_path_factory.mktemp("llm-text")
-    tok = build_demo_tokenizer(path / "tok")
-    tok.save_pretrained(path)
-    make_tiny_hf_model("llama", path, seed=1, vocab_size=DEMO_VOCAB,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    return path
+    return make_tiny_text_model(tmp_path_factory.mktemp("llm-text"), seed=1)
 
 
 def _llm(path: Path, graph: str = "static", **kwargs: Any) -> LLM:

@@ -27,8 +27,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FAMILIES", "MOE_FAMILIES", "TINY_SHAPES", "GreedyTrace", "PagedBatcher", "generate_greedy",
-    "hf_greedy", "hf_logits", "make_tiny_hf_model", "random_hf_model", "run_greedy",
-    "tiny_hf_config",
+    "hf_greedy", "hf_logits", "make_tiny_hf_model", "make_tiny_text_model", "random_hf_model",
+    "run_greedy", "tiny_hf_config",
 ]
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
@@ -136,6 +136,30 @@ def make_tiny_hf_model(family: str, path: str | Path, *, seed: int = 0,
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(path, **kwargs)
     return path
+
+
+def make_tiny_text_model(path: str | Path, *, seed: int = 0, **overrides: Any) -> Path:
+    """A tiny random Llama checkpoint with the demo tokenizer saved beside it (text prompts), its
+    vocabulary and special tokens the tokenizer's, as a user's directory holds them.
+
+    Args:
+        path: the directory to write (created if needed).
+        seed, overrides: as for :func:`make_tiny_hf_model`.
+
+    Returns:
+        ``path`` as a :class:`~pathlib.Path`.
+    """
+    import tempfile
+
+    from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
+
+    path = Path(path)
+    with tempfile.TemporaryDirectory() as scratch:  # the tokenizer's build files stay out
+        tok = build_demo_tokenizer(Path(scratch))
+        tok.save_pretrained(path)
+    return make_tiny_hf_model("llama", path, seed=seed, vocab_size=len(tok),
+                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                              **overrides)
 
 
 # ---------------------------------------------------------------------------------- batching
