@@ -31,23 +31,29 @@ __all__ = ["grouped_block_m", "moe_grouped"]
 
 
 @triton.jit
+def _block_pairs(order_ptr, blk_pos_ptr, blk_end_ptr, blk, BLOCK_M: tl.constexpr):
+    """The int64 pair indices of block ``blk`` and which of its ``BLOCK_M`` rows hold one."""
+    pos = tl.load(blk_pos_ptr + blk) + tl.arange(0, BLOCK_M)
+    valid = pos < tl.load(blk_end_ptr + blk)
+    return tl.load(order_ptr + pos, mask=valid, other=0).to(tl.int64), valid
+
+
+@triton.jit
 def _grouped_gate_up_kernel(x_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_end_ptr,
                             w_ptr, s_ptr, b_ptr, h_ptr, H, INTER, E, TOP_K,
                             stride_xt, stride_w, stride_s, stride_hp,
                             QUANT: tl.constexpr, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr,
                             ZERO: tl.constexpr, OFFSETS: tl.constexpr, QROWS: tl.constexpr,
                             QCOLS: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr,
-                            PRECISION: tl.constexpr,
+                         PRECISION: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             PDL: tl.constexpr):
     blk = tl.program_id(0)
     pdl_wait(PDL)
     expert = tl.load(blk_expert_ptr + blk)
     if expert < E:
-        pos = tl.load(blk_pos_ptr + blk) + tl.arange(0, BLOCK_M)
-        valid = pos < tl.load(blk_end_ptr + blk)
-        pair = tl.load(order_ptr + pos, mask=valid, other=0)
-        token = (pair // TOP_K).to(tl.int64)
+        pair, valid = _block_pairs(order_ptr, blk_pos_ptr, blk_end_ptr, blk, BLOCK_M)
+        token = pair // TOP_K
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < INTER
         gate_rows = expert * (2 * INTER) + offs_n
@@ -66,7 +72,7 @@ def _grouped_gate_up_kernel(x_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_e
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PRECISION)
         h = acc_g * tl.sigmoid(acc_g) * acc_u
-        tl.store(h_ptr + pair.to(tl.int64)[:, None] * stride_hp + offs_n[None, :],
+        tl.store(h_ptr + pair[:, None] * stride_hp + offs_n[None, :],
                  h.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
@@ -77,16 +83,14 @@ def _grouped_down_kernel(h_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_end_
                          QUANT: tl.constexpr, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr,
                          ZERO: tl.constexpr, OFFSETS: tl.constexpr, QROWS: tl.constexpr,
                          QCOLS: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr,
-                            PRECISION: tl.constexpr,
+                         PRECISION: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr):
     blk = tl.program_id(0)
     pdl_wait(PDL)
     expert = tl.load(blk_expert_ptr + blk)
     if expert < E:
-        pos = tl.load(blk_pos_ptr + blk) + tl.arange(0, BLOCK_M)
-        valid = pos < tl.load(blk_end_ptr + blk)
-        pair = tl.load(order_ptr + pos, mask=valid, other=0).to(tl.int64)
+        pair, valid = _block_pairs(order_ptr, blk_pos_ptr, blk_end_ptr, blk, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
         rows = expert * H + offs_n
