@@ -244,6 +244,8 @@ class CpuTuning(_Section):
               "and scales (fp32 activations take a ~30x slower path): ~0.2-0.4% error per "
               "linear; false dequantizes each quantized weight once into a cached exact dense "
               "copy (4-8x its packed bytes)")
+    slice_max_rows: int = knob(16, "dense GEMMs of 2 to this many rows run in column slices")
+    slice_cols: int = knob(768, "the width of those column slices")
 
 
 @dataclass(frozen=True)

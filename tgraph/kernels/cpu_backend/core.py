@@ -22,9 +22,7 @@ from tgraph.tuning import Tuning
 __all__ = ["KERNELS", "matmul_into"]
 
 _F32 = torch.float32
-# Decode-sized GEMMs (2-16 rows) split the output into slices this wide (see matmul_into).
-_SMALL_M = 16
-_CHUNK_N = 768
+_DEFAULT_TUNING = Tuning()
 
 
 def _rms_into(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
@@ -301,7 +299,7 @@ def matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: Any, bias: torch.Tensor
     as its input), or a quantized weight through its packed CPU kernel."""
     if is_quantized(w):
         if transpose_b:
-            bf16 = tuning is None or tuning.cpu.bf16_quant_activations
+            bf16 = (tuning or _DEFAULT_TUNING).cpu.bf16_quant_activations
             packed_linear(w, x2.dtype, bf16).run(x2, out2)
             if residual2 is not None:
                 out2.add_(residual2)
@@ -311,10 +309,12 @@ def matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: Any, bias: torch.Tensor
         w = w.dequantize(x2.dtype)  # a transposed quantized operand: no kernel takes it packed
     b = w.t() if transpose_b else w
     n = b.shape[1]
-    if 1 < x2.shape[0] <= _SMALL_M and n > _CHUNK_N:
-        # MKL's small-M GEMM streams a wide weight faster in column slices (measured 1.3x).
-        for start in range(0, n, _CHUNK_N):
-            cols = slice(start, start + _CHUNK_N)
+    cpu = (tuning or _DEFAULT_TUNING).cpu
+    width = cpu.slice_cols
+    if 1 < x2.shape[0] <= cpu.slice_max_rows and n > width:
+        # MKL's small-M GEMM streams a wide weight faster in column slices.
+        for start in range(0, n, width):
+            cols = slice(start, start + width)
             _mm(out2[:, cols], x2, b[:, cols], None if bias is None else bias[cols],
                 None if residual2 is None else residual2[:, cols])
         return
