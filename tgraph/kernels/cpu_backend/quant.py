@@ -6,7 +6,7 @@
   group, so an offset ``b`` becomes ``z = b + 8 s`` (where the reference computes ``s * q + b``).
 - ``int8`` with one scale per output channel (W8A16): ``aten._weight_int8pack_mm`` on the codes as
   they are (offsets add ``sum(x) * b``).
-- Both kernels run fast only on bf16 activations and scales (fp32 takes a ~30x slower path), so
+- Both kernels run fast only on bf16 activations and scales (fp32 takes a much slower path), so
   activations, scales and zeros are rounded to bf16 and the bf16 output widened: at most ~3 x
   2^-9 of an output's scale (``tgraph.tuning.CpuTuning.bf16_quant_activations``).
 - Everything else (``int8`` with group scales such as GGUF ``Q8_0``, ``fp8``, int4 groups the
@@ -28,7 +28,7 @@ from tgraph.quant import QuantizedWeight, unpack_int4
 __all__ = ["INT4_GROUP_SIZES", "PackedLinear", "packed_linear"]
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
-# The packed kernels' vectorised path takes bf16 activations and scales (fp32 runs ~30x slower).
+# The packed kernels' vectorised path takes bf16 activations and scales (fp32 does not).
 _ACT = torch.bfloat16
 
 
