@@ -5,12 +5,14 @@ A GGUF file holds a header (metadata key/values, then a table of tensors: name, 
 offset) and the tensor data. Tensors are named llama.cpp's way (``blk.0.attn_q.weight``) and
 dims are listed fastest-first, so a ``[K, N]`` GGUF tensor is torch's ``[N, K]`` weight.
 
-- :func:`gguf_model_config` maps the metadata of a Llama, Mistral, Qwen2 or Qwen3 file to the
+- :func:`gguf_model_config` maps the metadata of a Llama, Mistral, Qwen2 or Qwen3 file, or of a
+  mixture-of-experts Qwen2-MoE, Qwen3-MoE or Mixtral file (:mod:`tgraph.io.gguf_moe`), to the
   Hugging Face config dict the families' builders read.
 - :class:`GGUFLoader` reads the tensors under their Hugging Face names. F32/F16/BF16 tensors
   read as they are; ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K``, ``Q5_K`` and ``Q6_K`` are repacked
   (:func:`repack_blocks`) into :mod:`tgraph.quant` layouts whose ``dequantize()`` is bit-identical
-  to ``gguf.quants.dequantize``; every other type is refused before any weight is read.
+  to ``gguf.quants.dequantize``; every other type is refused before any weight is read. A
+  MoE file's stacked experts read one expert at a time, under the per-expert names.
 - llama.cpp's converter permutes the q and k rows of Llama-architecture models (for its
   interleaved rotary); the loader undoes it, on quantized rows too (rows move whole).
 
@@ -36,6 +38,13 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tgraph.errors import ConfigError, WeightLoadError
+from tgraph.io.gguf_moe import (
+    MIXTRAL_ARCHITECTURE,
+    MOE_ARCHITECTURES,
+    moe_config_of,
+    moe_source,
+    moe_tensors,
+)
 from tgraph.io.model_config import ModelConfig
 from tgraph.io.weights import Index, WeightLoader
 from tgraph.quant import QuantizedWeight, QuantScheme
@@ -63,6 +72,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    **MOE_ARCHITECTURES,
 }
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute).
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
@@ -100,6 +110,21 @@ def gguf_to_hf_name(name: str) -> str | None:
     if m is None or m[2] not in _BLOCK_NAMES:
         return None
     return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{kind}"
+
+
+def _dense_source(name: str) -> tuple[str, None] | None:
+    """The GGUF tensor a Hugging Face name of a dense model is read from (the inverse of
+    :func:`gguf_to_hf_name`)."""
+    base, _, kind = name.rpartition(".")
+    for gguf_base, hf_base in _TOP_NAMES.items():
+        if base == hf_base:
+            return f"{gguf_base}.{kind}", None
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
+    if m is not None:
+        for gguf_base, hf_base in _BLOCK_NAMES.items():
+            if m[2] == hf_base:
+                return f"blk.{m[1]}.{gguf_base}.{kind}", None
+    return None
 
 
 # ------------------------------------------------------------------------------------ header
@@ -329,8 +354,8 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
     """The Hugging Face ``config.json`` dict a GGUF header describes.
 
     Raises:
-        ConfigError: an unsupported architecture, a missing key, or rope factors that match no
-            supported rope scaling.
+        ConfigError: an unsupported architecture, a missing key, rope factors that match no
+            supported rope scaling, or stacked experts whose shape disagrees with the metadata.
     """
     meta, tensors, arch = header.metadata, header.tensors, header.architecture
     if int(meta.get("split.count", 1)) > 1:
@@ -340,10 +365,6 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"'{header.path}': GGUF architecture {arch!r} is not supported; "
                           f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-    model_type, arch_class = SUPPORTED_ARCHITECTURES[arch]
-    if arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
-        # llama.cpp converts Mistral models as "llama"; the name tells them apart.
-        model_type, arch_class = SUPPORTED_ARCHITECTURES["mistral"]
 
     def key(name: str, default: Any = ConfigError) -> Any:
         full = f"{arch}.{name}"
@@ -352,6 +373,14 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
                 raise ConfigError(f"'{header.path}': the GGUF metadata has no '{full}'")
             return default
         return meta[full]
+
+    model_type, arch_class = SUPPORTED_ARCHITECTURES[arch]
+    # llama.cpp converts Mixtral and Mistral models as "llama": the expert count, then the name,
+    # tell them apart.
+    if arch == "llama" and int(key("expert_count", 0)):
+        model_type, arch_class = MIXTRAL_ARCHITECTURE
+    elif arch == "llama" and "mistral" in str(meta.get("general.name", "")).lower():
+        model_type, arch_class = SUPPORTED_ARCHITECTURES["mistral"]
 
     heads = _one_int(key("attention.head_count"), f"{arch}.attention.head_count")
     kv_heads = _one_int(key("attention.head_count_kv", heads), f"{arch}.attention.head_count_kv")
@@ -387,11 +416,13 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
     if model_type == "llama" and "blk.0.attn_q.bias" in tensors:
         d["attention_bias"] = True
     window = key("attention.sliding_window", None)
-    if window is not None and model_type == "mistral":
+    if window is not None and model_type in ("mistral", "mixtral"):
         d["sliding_window"] = int(window)
     scaling = _rope_scaling(header, key, head_dim, float(d["rope_theta"]))
     if scaling is not None:
         d["rope_scaling"] = scaling
+    if arch in MOE_ARCHITECTURES or model_type == "mixtral":
+        d.update(moe_config_of(arch, model_type, key, tensors, str(header.path)))
     for hf_key, gguf_key in (("bos_token_id", "bos_token_id"), ("pad_token_id",
                                                                 "padding_token_id")):
         value = meta.get(f"tokenizer.ggml.{gguf_key}")
@@ -419,7 +450,7 @@ def _one_int(value: Any, key: str) -> int:
 
 def _checkpoint_dtype(tensors: Collection[GGUFTensorInfo]) -> str:
     """The dtype a GPU run computes in: the file's half type, else bf16 (quantized files)."""
-    kinds = {t.ggml_type for t in tensors if len(t.shape) == 2}
+    kinds = {t.ggml_type for t in tensors if len(t.shape) >= 2}
     if kinds and kinds <= {Q.F32}:
         return "float32"
     if Q.F16 in kinds and Q.BF16 not in kinds:
@@ -646,6 +677,7 @@ class GGUFLoader(WeightLoader):
             raise WeightLoadError(f"'{self.path}': GGUF architecture {arch!r} is not supported; "
                                   f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         permuted = arch in _PERMUTED_ARCHITECTURES
+        self._model_type = config.model_type
         self._handle: BinaryIO | None = None
         self._infos: dict[str, GGUFTensorInfo] = {}
         self._heads: dict[str, int] = {}  # names whose rows llama.cpp permuted -> head count
@@ -653,13 +685,16 @@ class GGUFLoader(WeightLoader):
         for gguf_name, info in self.header.tensors.items():
             if gguf_name in _CONFIG_TENSORS:
                 continue
-            name = gguf_to_hf_name(gguf_name) or gguf_name
-            self._infos[name] = info
             if info.ggml_type not in DENSE_TYPES and info.ggml_type not in QUANTIZED_TYPES:
                 refused.append(info)
+            # A MoE file's stacked experts: one 2-D entry per expert.
+            entries = moe_tensors(info, config.model_type) or [
+                (gguf_to_hf_name(gguf_name) or gguf_name, info)]
+            self._infos.update(entries)
             if permuted and re.fullmatch(r"blk\.\d+\.attn_[qk]\.(weight|bias)", gguf_name):
-                self._heads[name] = (config.num_attention_heads if ".attn_q." in gguf_name
-                                     else config.num_key_value_heads)
+                self._heads[entries[0][0]] = (config.num_attention_heads
+                                              if ".attn_q." in gguf_name
+                                              else config.num_key_value_heads)
         if refused:
             shown = ", ".join(i.describe() for i in refused[:4])
             more = f" and {len(refused) - 4} more" if len(refused) > 4 else ""
@@ -749,6 +784,19 @@ class GGUFLoader(WeightLoader):
 
     def _describe_sources(self) -> str:
         return f"{self.path} (GGUF, {len(self.header.tensors)} tensors)"
+
+    def _missing_message(self, name: str) -> str:
+        msg = super()._missing_message(name)
+        source = moe_source(name, self._model_type) or _dense_source(name)
+        if source is None:
+            return msg
+        gguf_name, expert = source
+        info = self.header.tensors.get(gguf_name)
+        what = f"GGUF tensor '{gguf_name}'" if expert is None else \
+            f"expert {expert} of the stacked GGUF tensor '{gguf_name}'"
+        held = "which the file does not have" if info is None else \
+            f"which is {info.type_name} {list(info.shape)}"
+        return f"{msg}; it is read from {what}, {held}"
 
     def _total_bytes(self) -> int:
         return self.header.file_size
