@@ -22,9 +22,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["CpuTuning", "DecodeAttentionTuning", "DecodeTiles", "GemvConfig", "GemvOverride",
-           "GemvTuning", "LoraTuning", "MoeTuning", "PrefetchTuning", "QuantGemmTuning",
-           "QuantGemvTuning", "Tuning", "convert", "describe", "from_dict", "leaf_types", "to_dict"]
+__all__ = ["AllReduceTuning", "CpuTuning", "DecodeAttentionTuning", "DecodeTiles", "GemvConfig",
+           "GemvOverride", "GemvTuning", "LoraTuning", "MoeTuning", "PrefetchTuning",
+           "QuantGemmTuning", "QuantGemvTuning", "Tuning", "VocabParallelTuning", "convert",
+           "describe", "from_dict", "leaf_types", "to_dict"]
 
 
 def knob(default: Any, doc: str, minimum: int = 1) -> Any:
@@ -249,6 +250,37 @@ class CpuTuning(_Section):
 
 
 @dataclass(frozen=True)
+class AllReduceTuning(_Section):
+    """Tensor-parallel all-reduce over peer GPU memory
+    (``tgraph.kernels.triton.peer_allreduce``)."""
+
+    peer: bool = knob(True, "all-reduce decode-sized messages through the peers' memory (CUDA "
+                            "P2P, one kernel) instead of NCCL; NCCL stays the fallback")
+    one_shot_max_bytes: int = knob(2 * 1024 * 1024, "up to this message size every rank pushes "
+                                                     "its whole message to every peer (one "
+                                                     "barrier): faster than NCCL up to 2 MB on 2 "
+                                                     "H100s")
+    two_shot_max_bytes: int = knob(0, "from one_shot_max_bytes up to this size each rank reduces "
+                                      "1/N of the columns (two barriers); off: slower than "
+                                      "one-shot at every size on 2 GPUs", minimum=0)
+    programs: int = knob(32, "programs of the peer all-reduce kernel (rows are dealt round-robin)")
+
+
+@dataclass(frozen=True)
+class VocabParallelTuning(_Section):
+    """Sampling from each tensor-parallel rank's vocabulary slice
+    (``tgraph.runtime.vocab_parallel``)."""
+
+    enabled: bool = knob(True, "decode steps that need only tokens skip the LM head's "
+                               "all-gather; the ranks reduce their slices instead")
+    max_batch: int = knob(256, "larger decode batches gather the logits: bounds the exchange "
+                               "of top-k candidates (rows x ranks x max_top_k x 3 values)")
+    max_top_k: int = knob(64, "largest top_k finished on the gathered candidates (each rank "
+                              "sends the batch's largest top_k per row); a larger one, or "
+                              "top-p / min-p without top-k, gathers the logits")
+
+
+@dataclass(frozen=True)
 class Tuning(_Section):
     """Every kernel family's launch settings; the engine holds one (``Engine.tuning``)."""
 
@@ -260,6 +292,10 @@ class Tuning(_Section):
     quant_gemm: QuantGemmTuning = section(QuantGemmTuning, "prefill GEMMs on quantized weights")
     moe: MoeTuning = section(MoeTuning, "routed experts")
     cpu: CpuTuning = section(CpuTuning, "the CPU backend's quantized linears")
+    all_reduce: AllReduceTuning = section(AllReduceTuning,
+                                          "tensor-parallel all-reduce over peer memory")
+    vocab_parallel: VocabParallelTuning = section(
+        VocabParallelTuning, "tensor-parallel sampling without the logits' all-gather")
 
 
 # ------------------------------------------------------------------------- dicts and settings

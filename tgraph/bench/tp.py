@@ -9,11 +9,13 @@ one decode step replays. With N=1 it runs without torchrun as well: the one-GPU 
 that fits one GPU.
 
 Options: ``--batches 1 16`` (decode batch sizes), ``--no-capture-collectives`` (run every
-collective between graphs, as ``llm.engine.capture_collectives=false`` does).
+collective between graphs, as ``llm.engine.capture_collectives=false`` does), ``--nccl-only``
+(no all-reduce over peer memory: ``llm.engine.tuning.all_reduce.peer=false``).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +24,7 @@ import torch
 from tgraph import envs
 from tgraph.ir.ops import OpCategory, get_op
 from tgraph.nn import distributed
+from tgraph.tuning import Tuning
 
 
 def decode_graph_report(engine: Any) -> dict[str, Any]:
@@ -67,13 +70,15 @@ def describe(report: dict[str, Any]) -> str:
             f"{report['host_segments']} host segments per decode step")
 
 
-def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool = True) -> None:
+def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool = True,
+         peer: bool = True) -> None:
     """Time one decode step of preset ``name`` at each batch size on this rank's shard.
 
     Args:
         name: a model preset (``tgraph.models.presets``).
         batches: decode batch sizes.
         capture_collectives: record NCCL collectives capturable (one graph per step).
+        peer: all-reduce small messages over peer memory (else NCCL only).
     """
     from tgraph.bench.models import CONTEXT, decode_batch
     from tgraph.bench.random_loader import RandomWeightLoader
@@ -89,7 +94,11 @@ def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool 
     device = torch.device("cuda", torch.cuda.current_device())
     hf_config = preset(name)
     loader = RandomWeightLoader(hf_config, device, torch.bfloat16, rank=rank, world_size=ws)
-    model = build_model(ModelConfig.from_dict(hf_config), loader, max_model_len=1024)
+    tuning = Tuning()
+    tuning = dataclasses.replace(tuning, all_reduce=dataclasses.replace(tuning.all_reduce,
+                                                                        peer=peer))
+    model = build_model(ModelConfig.from_dict(hf_config), loader, max_model_len=1024,
+                        tuning=tuning)
     del loader
     torch.cuda.empty_cache()
     copy_gbps = measure_ceilings().copy_gbps
@@ -104,7 +113,8 @@ def main(name: str, batches: Sequence[int] = (1, 16), capture_collectives: bool 
     engine = model.engines[(False, ())]
     bound_ms = rank_weight_bytes(engine) / (copy_gbps * 1e9) * 1e3
     if rank == 0:
-        print(f"{name} tp={ws} ({info.backend if info else 'no process group'}): "
+        comm = "peer memory + NCCL" if peer and ws > 1 else "NCCL"
+        print(f"{name} tp={ws} ({info.backend if info else 'no process group'}, {comm}): "
               f"{engine.stats.kernel_count} kernels; {describe(decode_graph_report(engine))}")
         print(f"  per-rank weight-read bound {bound_ms:.3f} ms ({copy_gbps:.0f} GB/s copy)")
         for b, ms, shape in rows:
@@ -120,9 +130,11 @@ def _parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 16])
     parser.add_argument("--no-capture-collectives", action="store_true",
                         help="run the collectives between CUDA graphs instead of inside them")
+    parser.add_argument("--nccl-only", action="store_true",
+                        help="all-reduce through NCCL only (no peer-memory kernel)")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = _parse()
-    main(args.preset, args.batches, not args.no_capture_collectives)
+    main(args.preset, args.batches, not args.no_capture_collectives, not args.nccl_only)

@@ -7,7 +7,9 @@ Triton ``add_rms_norm`` kernel on the reduced buffer: the add and the norm follo
 with no copy kernel in between when the pass marked ``x`` as dead afterwards.
 
 On NCCL these launches are enqueued on the current stream and may be captured in a CUDA graph
-(nodes with ``capturable=True``); gloo runs them on the host.
+(nodes with ``capturable=True``); gloo runs them on the host. Decode-sized all-reduces on one
+host go over peer memory instead (:mod:`tgraph.kernels.triton.peer_allreduce`, one kernel with
+the add + norm fused; ``llm.engine.tuning.all_reduce``), NCCL staying the fallback.
 """
 from __future__ import annotations
 
@@ -16,25 +18,45 @@ import torch.distributed as dist
 
 from tgraph.ir.ops.collective import check_group_size
 from tgraph.kernels.registry import KernelSpec
+from tgraph.kernels.triton.peer_allreduce import PeerBuffers, fits, peer_all_reduce
 from tgraph.kernels.triton_backend.common import Outs, reference_into, rows
+from tgraph.kernels.triton_backend.peer_memory import path_for, peer_buffers
+from tgraph.tuning import Tuning
 
 __all__ = ["KERNELS", "all_gather_into", "all_reduce_add_rms_norm_into", "all_reduce_into"]
 
 
-def all_reduce_into(outs: Outs, x: torch.Tensor, *, world_size: int,
+def _peer_route(x: torch.Tensor, tuning: Tuning) -> tuple[PeerBuffers | None, bool]:
+    """``(buffers, two_shot)`` when ``x`` goes over peer memory, ``(None, False)`` for NCCL."""
+    path = path_for(x.numel() * x.element_size(), tuning.all_reduce)
+    if path == "nccl":
+        return None, False
+    buffers = peer_buffers(x, tuning.all_reduce)
+    if buffers is None or not fits(buffers, x):
+        return None, False
+    return buffers, path == "two-shot"
+
+
+def all_reduce_into(outs: Outs, x: torch.Tensor, *, world_size: int, tuning: Tuning,
                     capturable: bool = False) -> torch.Tensor:
-    """``outs[0] = sum of x over the ranks``: one copy into the buffer, reduced in place.
+    """``outs[0] = sum of x over the ranks``: over peer memory when small (one kernel), else one
+    copy into the buffer reduced in place by NCCL.
 
     Args:
         outs: one buffer of ``x``'s shape and dtype.
         x: this rank's partial result (left unchanged: other nodes may still read it).
         world_size: the group size recorded on the node (checked against the live group).
+        tuning: the engine's settings (``all_reduce``: the peer-memory path).
         capturable: unused here (it only steers partitioning).
     Returns:
         ``outs[0]``.
     """
     check_group_size("all_reduce", world_size)
     out = outs[0]
+    buffers, two_shot = _peer_route(x, tuning)
+    if buffers is not None and out.is_contiguous():
+        peer_all_reduce(buffers, x, out, two_shot=two_shot)
+        return out
     out.copy_(x)
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
     return out
@@ -77,9 +99,11 @@ def all_gather_into(outs: Outs, x: torch.Tensor, *, dim: int, world_size: int,
 
 def all_reduce_add_rms_norm_into(outs: Outs, x: torch.Tensor, residual: torch.Tensor,
                                  weight: torch.Tensor, *, eps: float, world_size: int,
-                                 capturable: bool = False, reduce_in_place: bool = False
+                                 tuning: Tuning, capturable: bool = False,
+                                 reduce_in_place: bool = False
                                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-reduce ``x`` in place, then the Triton ``add_rms_norm`` on the reduced buffer.
+    """All-reduce ``x``, then add the residual and RMS-normalise: over peer memory in one kernel
+    when small, else NCCL in place and the Triton ``add_rms_norm`` on the reduced buffer.
 
     Args:
         outs: ``[normed, new_residual]`` buffers of ``x``'s shape.
@@ -88,6 +112,7 @@ def all_reduce_add_rms_norm_into(outs: Outs, x: torch.Tensor, residual: torch.Te
         weight: the norm's ``[N]`` scale.
         eps: the norm's epsilon.
         world_size: the group size recorded on the node.
+        tuning: the engine's settings (``all_reduce``: the peer-memory path).
         capturable: unused here (it only steers partitioning).
         reduce_in_place: the pass found that nothing reads ``x`` after this node, so its buffer
             is reduced in place; otherwise ``x`` is first copied into the new-residual buffer
@@ -101,6 +126,11 @@ def all_reduce_add_rms_norm_into(outs: Outs, x: torch.Tensor, residual: torch.Te
     if weight.dtype != x.dtype:
         return reference_into(op)(outs, x, residual, weight, eps=eps,
                                         world_size=world_size)
+    buffers, two_shot = _peer_route(x, tuning)
+    if buffers is not None and out.is_contiguous() and residual_out.is_contiguous():
+        peer_all_reduce(buffers, x, out, two_shot=two_shot, residual=residual, weight=weight,
+                        eps=eps, residual_out=residual_out)
+        return out, residual_out
     if reduce_in_place and x.is_contiguous():
         reduced = x
     else:
@@ -117,7 +147,7 @@ def all_reduce_add_rms_norm_into(outs: Outs, x: torch.Tensor, residual: torch.Te
 
 
 KERNELS = (
-    KernelSpec("all_reduce", all_reduce_into),
+    KernelSpec("all_reduce", all_reduce_into, tuned=True),
     KernelSpec("all_gather", all_gather_into),
-    KernelSpec("all_reduce_add_rms_norm", all_reduce_add_rms_norm_into),
+    KernelSpec("all_reduce_add_rms_norm", all_reduce_add_rms_norm_into, tuned=True),
 )
