@@ -45,6 +45,7 @@ def run(model: str, adapters: Path, graph: str, timeout: float) -> dict[str, Any
     llm.set_single_lora(adapters / "dom2")
     report["dom2"] = generate(llm)
     report["engines"] = [built, sorted(str(key) for key in llm.model.engines)]
+    report["sliced_steps"] = llm.runner.vocab_parallel_steps
     llm.close()
     return report
 

@@ -114,3 +114,6 @@ def test_tp2_single_and_multi_lora_match_tp1_and_peft(tp_lora, name: str, mode: 
         before, after = got["engines"]
         assert before == after, f"rank {r}: switching the single adapter built an engine"
         assert any("multi_lora', 'single_lora'" in key for key in before), before
+        # Greedy LoRA decode steps sample from the vocabulary slices (the features stack).
+        assert got["sliced_steps"] > 0, f"rank {r}: no LoRA step took the vocab-parallel path"
+        assert any("'single_lora', 'vocab_parallel'" in key for key in after), after

@@ -1,9 +1,12 @@
 """The model runner: turns one scheduler step into a model call and samples the next tokens.
 
 Under tensor parallelism every rank runs the model on the same batch (the collectives inside
-need all of them), but only rank 0 samples: it broadcasts the sampled token ids, so every rank
-feeds the same tokens and its scheduler takes the same steps, whatever the random draws. Log
-probabilities stay on rank 0 (the other ranks report ``None``).
+need all of them). A decode step that needs only tokens runs the engines that leave each rank
+its slice of the vocabulary, and every rank samples the same tokens from its slice
+(:mod:`tgraph.runtime.vocab_parallel`). Other steps gather whole logits rows and only rank 0
+samples: it broadcasts the sampled token ids, so every rank feeds the same tokens and its
+scheduler takes the same steps, whatever the random draws. Log probabilities stay on rank 0
+(the other ranks report ``None``).
 """
 from __future__ import annotations
 
@@ -14,10 +17,12 @@ import torch
 from tgraph.errors import InvalidRequestError, TGraphError
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.logit_bias import LogitBias
+from tgraph.models.base.vocab_parallel import VocabParallelDecorator
 from tgraph.nn import distributed
 from tgraph.runtime.sampler import PenaltyHistory, Sampler, TokenLogprobs
 from tgraph.runtime.sampling_params import SamplingParams
 from tgraph.runtime.scheduler import ScheduledRequest, SchedulerOutput
+from tgraph.runtime.vocab_parallel import VocabParallelSampler
 
 
 @dataclass
@@ -75,8 +80,15 @@ class ModelRunner:
 
     Args:
         model: a loaded graph model; its ``llm_config.rank`` / ``world_size`` say whether this
-            rank samples (rank 0) or receives rank 0's tokens.
-        sampler: the sampler (rank 0's is the one that draws).
+            rank samples (rank 0) or receives rank 0's tokens, unless the step samples from
+            the vocabulary slices.
+        sampler: the sampler (rank 0's is the one that draws whole rows).
+
+    Attributes:
+        vocab_parallel: samples decode steps from the vocabulary slices (``None``: without
+            tensor parallelism, when ``llm.engine.tuning.vocab_parallel.enabled`` is off, or
+            for a model without the :class:`VocabParallelDecorator` feature).
+        vocab_parallel_steps: steps sampled that way so far.
     """
 
     def __init__(self, model, sampler: Sampler | None = None) -> None:
@@ -85,21 +97,65 @@ class ModelRunner:
         c = model.llm_config
         self.rank, self.world_size = c.rank, c.world_size
         self.vocab_size = c.model.vocab_size
+        self.vocab_parallel: VocabParallelSampler | None = None
+        self.vocab_parallel_steps = 0
+        if self.world_size > 1 and c.tuning.vocab_parallel.enabled \
+                and VocabParallelDecorator.name in getattr(model, "features", {}):
+            self.vocab_parallel = VocabParallelSampler(self.sampler, self.rank, self.world_size,
+                                                       self.vocab_size, c.tuning.vocab_parallel)
 
     def execute(self, out: SchedulerOutput) -> StepResult:
         """Run one scheduler step and return the next token of every request that has logits.
 
         Raises:
-            RankFailedError: on ranks other than 0, when rank 0 failed to sample this step.
+            RankFailedError: when another rank failed to sample this step (rank 0 on whole
+                rows, any rank on its vocabulary slice).
         """
         batch = batch_from_schedule(out, self.vocab_size)
-        logits = self.model.run(batch)
         wanted = [s for s in out.scheduled if s.needs_logits]
+        sliced = self._samples_slices(batch, wanted)
+        if sliced:
+            VocabParallelDecorator.mark(batch)
+        logits = self.model.run(batch)
         if not wanted:
             return StepResult({}, {})
+        if sliced:
+            return self._sample_slices(wanted, logits)
         if self.world_size == 1:
             return self._sample(wanted, logits)
         return self._sample_on_rank0(wanted, logits)
+
+    def _samples_slices(self, batch: BatchMeta, wanted: list) -> bool:
+        """Whether this step samples from the vocabulary slices: a decode step whose every
+        sequence is sampled, needing only tokens, on no feature's engine that needs whole rows
+        (LoRA stacks with it; logit bias does not). The same
+        answer on every rank: it reads only the batch and the requests."""
+        vp = self.vocab_parallel
+        if vp is None or batch.is_prefill or len(wanted) != batch.num_seqs:
+            return False
+        compatible = VocabParallelDecorator.compatible_with | {VocabParallelDecorator.name}
+        others = [f for name, f in self.model.features.items()
+                  if name not in compatible and f.needs_engine and f.is_used(batch)]
+        return not others and vp.supports([self._params(s) for s in wanted])
+
+    def _sample_slices(self, wanted: list, logits: torch.Tensor) -> StepResult:
+        """Every rank samples from its slice of the vocabulary (the same tokens)."""
+        assert self.vocab_parallel is not None
+        result = self.vocab_parallel.sample(
+            logits[: len(wanted)], [self._params(s) for s in wanted],
+            [len(s.request.output_token_ids) for s in wanted],
+            [s.request.output_token_ids for s in wanted],
+            [s.request.prompt_token_ids for s in wanted])
+        if result.failed_ranks:
+            raise RankFailedError(f"rank(s) {result.failed_ranks} failed while sampling this "
+                                  "step; their errors say why")
+        self.vocab_parallel_steps += 1
+        return StepResult({s.request_id: t for s, t in zip(wanted, result.token_ids)},
+                          {s.request_id: None for s in wanted})
+
+    @staticmethod
+    def _params(s: ScheduledRequest) -> SamplingParams:
+        return s.request.sampling_params or SamplingParams(temperature=0.0)
 
     def _sample_on_rank0(self, wanted: list, logits: torch.Tensor) -> StepResult:
         """Rank 0 samples and broadcasts ``[status, *token_ids]``; a failed sampling is
@@ -125,7 +181,7 @@ class ModelRunner:
 
     def _sample(self, wanted: list, logits: torch.Tensor) -> StepResult:
         logits = logits[: len(wanted)].float()
-        params = [s.request.sampling_params or SamplingParams(temperature=0.0) for s in wanted]
+        params = [self._params(s) for s in wanted]
         steps = [len(s.request.output_token_ids) for s in wanted]
         history = None
         if any(p.has_penalties for p in params):

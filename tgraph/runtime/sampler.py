@@ -8,7 +8,10 @@ The pipeline per request, vectorised over the batch:
 3. ``logits / temperature``, then top-k, top-p (on the top-k-renormalised distribution) and
    min-p (relative to the most likely remaining token) set filtered logits to ``-inf``;
 4. one token is drawn from ``softmax`` of what is left with the exponential race
-   ``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d. per vocabulary entry, which samples exactly from ``p``.
+   ``argmax(p / E)``, ``E ~ Exp(1)`` i.i.d. per vocabulary entry, which samples exactly from ``p``;
+   it is computed as ``argmax(x - log E)`` on the processed logits ``x`` (the same order, with
+   no normalisation), so a vocabulary split across ranks reduces to the same token
+   (:mod:`tgraph.runtime.vocab_parallel`).
 
 NOTE: a request with a ``seed`` draws its noise row from a generator re-seeded from
 ``(seed, step)`` at every step, so its tokens depend only on its own logits, seed and step, not on
@@ -52,6 +55,7 @@ class PenaltyHistory:
         outputs: Sequence[Sequence[int]],
         prompts: Sequence[Sequence[int]] | None = None,
         device: torch.device | str = "cpu",
+        vocab_range: tuple[int, int] | None = None,
     ) -> PenaltyHistory:
         """Pad per-request token lists into a history on ``device``.
 
@@ -59,10 +63,15 @@ class PenaltyHistory:
             outputs: generated token ids of each request.
             prompts: prompt token ids of each request, or ``None`` to leave the prompt out.
             device: where the tensors live (the logits' device).
+            vocab_range: ``(lo, hi)`` for logits holding only the vocabulary slice
+                ``[lo, hi)``: ids outside it are left out, the others shifted by ``-lo``.
 
         Returns:
             The padded history (int32 ids, padding ``-1``).
         """
+        if vocab_range is not None:
+            outputs = _in_range(outputs, *vocab_range)
+            prompts = None if prompts is None else _in_range(prompts, *vocab_range)
         out_ids, out_lens = _pad(outputs, device)
         if prompts is None:
             return cls(out_ids, out_lens)
@@ -70,6 +79,10 @@ class PenaltyHistory:
             raise ValueError(f"got {len(prompts)} prompts for {len(outputs)} outputs")
         prompt_ids, prompt_lens = _pad(prompts, device)
         return cls(out_ids, out_lens, prompt_ids, prompt_lens)
+
+
+def _in_range(rows: Sequence[Sequence[int]], lo: int, hi: int) -> list[list[int]]:
+    return [[t - lo for t in r if lo <= t < hi] for r in rows]
 
 
 def _pad(rows: Sequence[Sequence[int]],
@@ -80,7 +93,7 @@ def _pad(rows: Sequence[Sequence[int]],
         if len(r):
             ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.int32)
     lens = torch.tensor([len(r) for r in rows], dtype=torch.int32)
-    return _to_device(ids, device), _to_device(lens, device)
+    return to_device(ids, device), to_device(lens, device)
 
 
 @dataclass
@@ -113,12 +126,28 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def _to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` (a small host tensor) on ``device``, without waiting for the device's queued work.
+    """
     device = torch.device(device)
     if device.type == "cuda":
         # Pinned memory lets the copy run asynchronously instead of stalling the host.
         return t.pin_memory().to(device, non_blocking=True)
     return t.to(device)
+
+
+def race_scores(x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race's scores ``x - log(noise)``: their argmax is a draw from
+    ``softmax(x)``; a noise of 1 leaves ``x`` as it is (greedy rows).
+
+    Args:
+        x: fp32 processed logits (filtered entries ``-inf``).
+        noise: ``Exp(1)`` draws of ``x``'s shape (see :meth:`Sampler.noise`).
+
+    Returns:
+        A new fp32 tensor of ``x``'s shape.
+    """
+    return x - noise.log()
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -198,8 +227,7 @@ class Sampler:
         """
         self._check(logits, params, steps, history)
         processed = self.process_logits(logits, params, history)
-        greedy = [p.greedy for p in params]
-        tokens = self._draw(processed, params, greedy, steps)
+        tokens = self._draw(processed, params, steps)
         logprobs = self._logprobs(logits if self.logprobs_mode == "raw" else processed,
                                   params, tokens)
         return SamplerOutput(tokens, logprobs)
@@ -247,6 +275,29 @@ class Sampler:
             fp32 ``[B, V]`` processed logits: ``softmax`` of a row is the distribution its token
             is drawn from.
         """
+        x = self.scale_logits(logits, params, history)
+        self.filter_logits(x, params)
+        return x
+
+    def scale_logits(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        history: PenaltyHistory | None = None,
+    ) -> torch.Tensor:
+        """Penalties, then temperature (sampled rows), on an fp32 copy: the steps of
+        :meth:`process_logits` that act on each entry alone, so they also apply to a slice of
+        the vocabulary given the history of that slice (``PenaltyHistory.from_lists``'s
+        ``vocab_range``).
+
+        Args:
+            logits: float ``[B, V]`` logits (or ``[B, V / world_size]``); left unmodified.
+            params: one :class:`SamplingParams` per row.
+            history: the token history; required when a request has penalties.
+
+        Returns:
+            the fp32 scaled logits, same shape.
+        """
         device = logits.device
         x = logits.to(torch.float32, copy=True).contiguous()
         if any(p.has_penalties for p in params):
@@ -255,7 +306,7 @@ class Sampler:
             penalties = apply_penalties if x.is_cuda else apply_penalties_reference
 
             def rows(values: list[float]) -> torch.Tensor:
-                return _to_device(torch.tensor(values, dtype=torch.float32), device)
+                return to_device(torch.tensor(values, dtype=torch.float32), device)
 
             penalties(
                 x, history.output_token_ids, history.output_lens,
@@ -265,52 +316,77 @@ class Sampler:
                 history.prompt_token_ids, history.prompt_lens)
 
         sampled = [not p.greedy for p in params]
-        if not any(sampled):
-            return x
-        vocab = x.shape[1]
         temps = [p.temperature if s else 1.0 for p, s in zip(params, sampled)]
         if any(t != 1.0 for t in temps):
-            x.div_(_to_device(torch.tensor(temps, dtype=torch.float32), device)[:, None])
+            x.div_(to_device(torch.tensor(temps, dtype=torch.float32), device)[:, None])
+        return x
 
+    @staticmethod
+    def filter_logits(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+        """Top-k, top-p and min-p of the sampled rows, in place (filtered entries ``-inf``).
+
+        Args:
+            x: fp32 ``[B, V]`` scaled logits (:meth:`scale_logits`), whole rows.
+            params: one :class:`SamplingParams` per row.
+        """
+        sampled = [not p.greedy for p in params]
+        if not any(sampled):
+            return
+        device, vocab = x.device, x.shape[1]
         top_k = [min(p.top_k, vocab) if s and p.top_k > 0 else vocab
                  for p, s in zip(params, sampled)]
         top_p = [p.top_p if s and p.top_p < 1.0 else float("inf")
                  for p, s in zip(params, sampled)]
         if any(p < 1.0 for p in top_p):
-            _filter_top_k_top_p(x, _to_device(torch.tensor(top_k), device),
-                                _to_device(torch.tensor(top_p, dtype=torch.float32), device))
+            _filter_top_k_top_p(x, to_device(torch.tensor(top_k), device),
+                                to_device(torch.tensor(top_p, dtype=torch.float32), device))
         elif any(k < vocab for k in top_k):
             _filter_top_k(x, top_k)
 
         min_p = [p.min_p if s else 0.0 for p, s in zip(params, sampled)]
         if any(m > 0.0 for m in min_p):
             probs = x.softmax(dim=-1)
-            threshold = probs.amax(dim=-1, keepdim=True) * _to_device(
+            threshold = probs.amax(dim=-1, keepdim=True) * to_device(
                 torch.tensor(min_p, dtype=torch.float32), device)[:, None]
             x.masked_fill_(probs < threshold, float("-inf"))
-        return x
 
-    def _draw(self, x: torch.Tensor, params: Sequence[SamplingParams], greedy: list[bool],
-              steps: Sequence[int] | None) -> torch.Tensor:
-        argmax = x.argmax(dim=-1)
+    def noise(self, params: Sequence[SamplingParams], steps: Sequence[int] | None, vocab: int,
+              device: torch.device) -> torch.Tensor | None:
+        """The race's ``Exp(1)`` noise of each row over the whole vocabulary: from the shared
+        generator for sampled rows without a seed (one draw for all of them), from the
+        ``(seed, step)`` generator for seeded rows; greedy rows get 1.
+
+        Args:
+            params: one :class:`SamplingParams` per row.
+            steps: per row, tokens generated so far (required for seeded sampled rows).
+            vocab: the vocabulary size (a draw's length: a seeded row's values depend on it).
+            device: where to draw.
+
+        Returns:
+            fp32 ``[B, vocab]``, or ``None`` when every row is greedy.
+        """
+        greedy = [p.greedy for p in params]
         if all(greedy):
-            return argmax
-        device = x.device
-        noise = torch.ones_like(x)  # greedy rows keep 1: their draw is replaced by the argmax
+            return None
+        noise = torch.ones((len(params), vocab), dtype=torch.float32, device=device)
         shared_rows = [i for i, p in enumerate(params) if not greedy[i] and p.seed is None]
         if shared_rows:
-            draw = torch.empty((len(shared_rows), x.shape[1]), dtype=x.dtype, device=device)
+            draw = torch.empty((len(shared_rows), vocab), dtype=torch.float32, device=device)
             draw.exponential_(generator=self._shared_generator(device))
-            noise[_to_device(torch.tensor(shared_rows), device)] = draw
+            noise[to_device(torch.tensor(shared_rows), device)] = draw
         for i, p in enumerate(params):
             if not greedy[i] and p.seed is not None:
                 g = self._seeded_generator(device, step_seed(p.seed, int(steps[i])))
                 noise[i].exponential_(generator=g)
-        # An exponential draw of exactly 0 would make p / E infinite (or NaN for p == 0).
-        noise.clamp_min_(torch.finfo(torch.float32).tiny)
-        drawn = x.softmax(dim=-1).div_(noise).argmax(dim=-1)
-        is_greedy = _to_device(torch.tensor(greedy), device)
-        return torch.where(is_greedy, argmax, drawn)
+        # An exponential draw of exactly 0 would make log(E) infinite.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _draw(self, x: torch.Tensor, params: Sequence[SamplingParams],
+              steps: Sequence[int] | None) -> torch.Tensor:
+        noise = self.noise(params, steps, x.shape[1], x.device)
+        if noise is None:
+            return x.argmax(dim=-1)
+        return race_scores(x, noise).argmax(dim=-1)
 
     @staticmethod
     def _logprobs(x: torch.Tensor, params: Sequence[SamplingParams],
@@ -341,7 +417,7 @@ class Sampler:
 def _filter_top_k(x: torch.Tensor, top_k: list[int]) -> None:
     # Only the k-th largest value is needed: topk(max k) avoids sorting the whole vocabulary.
     vocab, k_max = x.shape[1], max(top_k)
-    k = _to_device(torch.tensor(top_k), x.device)
+    k = to_device(torch.tensor(top_k), x.device)
     kth = x.topk(k_max, dim=-1).values.gather(1, (k.clamp_max(k_max) - 1)[:, None])
     # Rows with the filter off (k == V) keep everything; ties with the k-th value are kept.
     kth = torch.where(k[:, None] >= vocab, torch.full_like(kth, float("-inf")), kth)

@@ -360,7 +360,7 @@ class SingleLoraDecorator(_LoraFeature):
     name = "single_lora"
     bank_order = 1
     input_prefix = "single_lora_"
-    compatible_with = frozenset({"multi_lora", "logit_bias"})
+    compatible_with = frozenset({"multi_lora", "logit_bias", "vocab_parallel"})
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
@@ -475,7 +475,7 @@ class MultiLoraDecorator(_LoraFeature):
     name = "multi_lora"
     bank_order = 0
     input_prefix = "lora_"
-    compatible_with = frozenset({"single_lora", "logit_bias"})
+    compatible_with = frozenset({"single_lora", "logit_bias", "vocab_parallel"})
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)

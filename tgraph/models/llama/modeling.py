@@ -11,6 +11,7 @@ from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.base.llm_config import LlmConfig
 from tgraph.models.base.logit_bias import LogitBiasDecorator
 from tgraph.models.base.lora_features import MultiLoraDecorator, SingleLoraDecorator
+from tgraph.models.base.vocab_parallel import VocabParallelDecorator
 from tgraph.models.registry import register_model
 from tgraph.nn import functional as F
 from tgraph.nn.tensor import Tensor
@@ -21,9 +22,14 @@ class LlamaModel(BaseModel):
 
 
 class LlamaLikeForCausalLM(FlashCausalLM):
-    """Decoder stack + LM head; a family sets ``model_cls``."""
+    """Decoder stack + LM head; a family sets ``model_cls``.
+
+    Under tensor parallelism the head's logits are all-gathered into whole rows unless the graph
+    is recorded with ``gather_logits = False`` (:class:`VocabParallelDecorator`).
+    """
 
     model_cls: type[BaseModel] = LlamaModel
+    gather_logits: bool = True
 
     def __init__(self, llm_config: LlmConfig, weight_loader: WeightLoader, **kwargs: Any) -> None:
         super().__init__(llm_config, weight_loader, **kwargs)
@@ -47,7 +53,7 @@ class LlamaLikeForCausalLM(FlashCausalLM):
         if kwargs.get("is_prefill", True):
             hidden = F.gather(hidden, 0, kwargs["lm_head_indices"])  # (num_logits, hidden)
         logits = self.lm_head(hidden)  # (rows, vocab / world_size)
-        if self.llm_config.world_size > 1:
+        if self.llm_config.world_size > 1 and self.gather_logits:
             from tgraph.nn import distributed
 
             logits = distributed.all_gather(logits, dim=-1)  # (rows, vocab)
@@ -62,6 +68,7 @@ def raise_missing_head(loader: WeightLoader) -> None:
 
 
 @register_model(model_types=("llama",), architectures=("LlamaForCausalLM",))
-@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator)
+@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator,
+                VocabParallelDecorator)
 class FlashLlamaForCausalLM(LlamaLikeForCausalLM):
     """Llama 2/3 (rope scaling, tied or untied embeddings)."""

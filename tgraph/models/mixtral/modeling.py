@@ -6,6 +6,7 @@ from tgraph.layers.moe import MIXTRAL_EXPERT_NAMES, MoeConfig, SparseMoeBlock
 from tgraph.models.base.decoder import BaseLayer, BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.base.logit_bias import LogitBiasDecorator
+from tgraph.models.base.vocab_parallel import VocabParallelDecorator
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
 from tgraph.models.registry import register_model
 
@@ -24,6 +25,6 @@ class MixtralModel(BaseModel):
 
 
 @register_model(model_types=("mixtral",), architectures=("MixtralForCausalLM",))
-@torch_to_graph(LogitBiasDecorator)
+@torch_to_graph(LogitBiasDecorator, VocabParallelDecorator)
 class FlashMixtralForCausalLM(LlamaLikeForCausalLM):
     model_cls = MixtralModel

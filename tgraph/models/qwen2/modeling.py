@@ -6,6 +6,7 @@ from tgraph.models.base.decoder import BaseLayer, BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.base.logit_bias import LogitBiasDecorator
 from tgraph.models.base.lora_features import MultiLoraDecorator, SingleLoraDecorator
+from tgraph.models.base.vocab_parallel import VocabParallelDecorator
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
 from tgraph.models.registry import register_model
 
@@ -22,6 +23,7 @@ class Qwen2Model(BaseModel):
 
 
 @register_model(model_types=("qwen2",), architectures=("Qwen2ForCausalLM",))
-@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator)
+@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator,
+                VocabParallelDecorator)
 class FlashQwen2ForCausalLM(LlamaLikeForCausalLM):
     model_cls = Qwen2Model

@@ -7,6 +7,7 @@ from tgraph.layers.moe import sparse_or_dense_mlp
 from tgraph.models.base.decoder import BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.base.logit_bias import LogitBiasDecorator
+from tgraph.models.base.vocab_parallel import VocabParallelDecorator
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
 from tgraph.models.qwen2.modeling import Qwen2Layer
 from tgraph.models.registry import register_model
@@ -22,6 +23,6 @@ class Qwen2MoeModel(BaseModel):
 
 
 @register_model(model_types=("qwen2_moe",), architectures=("Qwen2MoeForCausalLM",))
-@torch_to_graph(LogitBiasDecorator)
+@torch_to_graph(LogitBiasDecorator, VocabParallelDecorator)
 class FlashQwen2MoeForCausalLM(LlamaLikeForCausalLM):
     model_cls = Qwen2MoeModel

@@ -7,6 +7,7 @@ from tgraph.models.base.decoder import BaseLayer, BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.base.logit_bias import LogitBiasDecorator
 from tgraph.models.base.lora_features import MultiLoraDecorator, SingleLoraDecorator
+from tgraph.models.base.vocab_parallel import VocabParallelDecorator
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
 from tgraph.models.registry import register_model
 
@@ -33,6 +34,7 @@ class Qwen3Model(BaseModel):
 
 
 @register_model(model_types=("qwen3",), architectures=("Qwen3ForCausalLM",))
-@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator)
+@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator,
+                VocabParallelDecorator)
 class FlashQwen3ForCausalLM(LlamaLikeForCausalLM):
     model_cls = Qwen3Model

@@ -6,6 +6,7 @@ from tgraph.layers.moe import sparse_or_dense_mlp
 from tgraph.models.base.decoder import BaseModel
 from tgraph.models.base.graph import torch_to_graph
 from tgraph.models.base.logit_bias import LogitBiasDecorator
+from tgraph.models.base.vocab_parallel import VocabParallelDecorator
 from tgraph.models.llama.modeling import LlamaLikeForCausalLM
 from tgraph.models.qwen3.modeling import Qwen3Layer
 from tgraph.models.registry import register_model
@@ -21,6 +22,6 @@ class Qwen3MoeModel(BaseModel):
 
 
 @register_model(model_types=("qwen3_moe",), architectures=("Qwen3MoeForCausalLM",))
-@torch_to_graph(LogitBiasDecorator)
+@torch_to_graph(LogitBiasDecorator, VocabParallelDecorator)
 class FlashQwen3MoeForCausalLM(LlamaLikeForCausalLM):
     model_cls = Qwen3MoeModel
