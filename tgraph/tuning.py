@@ -247,6 +247,10 @@ class CpuTuning(_Section):
               "copy (4-8x its packed bytes)")
     slice_max_rows: int = knob(16, "dense GEMMs of 2 to this many rows run in column slices")
     slice_cols: int = knob(768, "the width of those column slices")
+    held_scratch_kb: int = knob(
+        256, "a step program's bound kernel keeps the scratch it made (rope's rotated q|k, the "
+             "gate|up rows) up to this size, one per layer; a larger one (prefill) is made at "
+             "each call")
 
 
 @dataclass(frozen=True)
@@ -256,6 +260,8 @@ class AllReduceTuning(_Section):
 
     peer: bool = knob(True, "all-reduce decode-sized messages through the peers' memory (CUDA "
                             "P2P, one kernel) instead of NCCL; NCCL stays the fallback")
+    polled_max_bytes: int = knob(256 * 1024, "up to this message size the one-shot skips its "
+                                             "flags: receivers poll the data itself", minimum=0)
     one_shot_max_bytes: int = knob(2 * 1024 * 1024, "up to this message size every rank pushes "
                                                      "its whole message to every peer (one "
                                                      "barrier): faster than NCCL up to 2 MB on 2 "

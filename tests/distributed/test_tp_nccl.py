@@ -128,9 +128,16 @@ def test_nccl_captured_tp2_matches_tp1_at_llama_1b_widths(tmp_path: Path,
               f"max {kl.max():.2e}, top-1 (near-tie) {ok.float().mean():.1%}")
         assert kl.mean() < kl_mean_max and kl.max() < kl_max_max
         assert bool(ok.all()), f"rank {r}: top-1 differs beyond a near-tie"
-        # The fusion networks (fp32, Triton kernels, NCCL): fused == unfused, bitwise.
+        # The fusion networks (fp32): fused == unfused, bitwise on the reference backend. On
+        # the Triton backend the fused op is one peer-memory kernel whose norm sums the squares
+        # in another order than the unfused rms_norm kernel: fp32 rounding of a 16-term sum,
+        # relative error < 16 * 2**-24 ~ 1e-6.
         for key in [k for k in tensors if k.startswith("fusion_") and "_fused_" in k]:
-            assert torch.equal(tensors[key], tensors[key.replace("_fused_", "_unfused_")]), key
+            got, want = tensors[key], tensors[key.replace("_fused_", "_unfused_")]
+            if "_reference_" in key:
+                assert torch.equal(got, want), key
+            else:
+                torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6, msg=key)
     # Both ranks hold the same all-gathered logits.
     ranks = [load_file(str(out / f"rank{r}.safetensors")) for r in range(2)]
     for key in ranks[0]:

@@ -1,6 +1,8 @@
-"""All-reduce latency by message size: NCCL against the peer-memory kernel's one-shot and
-two-shot forms, each timed inside a CUDA graph of back-to-back calls (as a decode step replays
-them). ``torchrun --nproc-per-node N -m tgraph.bench.allreduce [--dtype bf16] [--sizes KB ...]``
+"""All-reduce latency by message size: NCCL against the peer-memory kernel's polled one-shot
+(up to 1 MB), one-shot and two-shot forms, each timed inside a CUDA graph of back-to-back calls
+(as a decode step replays them)::
+
+    torchrun --nproc-per-node N -m tgraph.bench.allreduce [--dtype bf16] [--sizes KB ...]
 
 Rank 0 prints microseconds per call and which path ``llm.engine.tuning.all_reduce``'s defaults
 pick at each size. Two-shot is timed only from 2 ranks and for messages whose rows split.
@@ -13,7 +15,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from tgraph.kernels.triton.peer_allreduce import peer_all_reduce
+from tgraph.kernels.triton.peer_allreduce import fits_polled, peer_all_reduce
 from tgraph.kernels.triton_backend.peer_memory import (
     path_for,
     peer_buffers,
@@ -53,8 +55,9 @@ def _graph_us(fn: Callable[[], None], replays: int = 20) -> float:
 def main(sizes_kb: Sequence[int], dtype: torch.dtype, hidden: int = 4096) -> None:
     """Print NCCL / one-shot / two-shot microseconds per call for each message size."""
     info = distributed.init_process_group()
-    tuning = AllReduceTuning(one_shot_max_bytes=max(sizes_kb) * 1024,
-                             two_shot_max_bytes=max(sizes_kb) * 1024)
+    largest = max(sizes_kb) * 1024
+    tuning = AllReduceTuning(polled_max_bytes=min(largest, 1024 * 1024),
+                             one_shot_max_bytes=largest, two_shot_max_bytes=largest)
     device = info.device
     probe = torch.empty(1, hidden, dtype=dtype, device=device)
     buffers = peer_buffers(probe, tuning)
@@ -72,6 +75,9 @@ def main(sizes_kb: Sequence[int], dtype: torch.dtype, hidden: int = 4096) -> Non
 
         timings = {"nccl": _graph_us(nccl)}
         if buffers is not None:
+            if fits_polled(buffers, x):
+                timings["polled"] = _graph_us(
+                    lambda: peer_all_reduce(buffers, x, out, polled=True))
             timings["one-shot"] = _graph_us(lambda: peer_all_reduce(buffers, x, out))
             if info.world_size > 1:
                 timings["two-shot"] = _graph_us(

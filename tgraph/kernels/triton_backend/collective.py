@@ -18,7 +18,12 @@ import torch.distributed as dist
 
 from tgraph.ir.ops.collective import check_group_size
 from tgraph.kernels.registry import KernelSpec
-from tgraph.kernels.triton.peer_allreduce import PeerBuffers, fits, peer_all_reduce
+from tgraph.kernels.triton.peer_allreduce import (
+    PeerBuffers,
+    fits,
+    fits_polled,
+    peer_all_reduce,
+)
 from tgraph.kernels.triton_backend.common import Outs, reference_into, rows
 from tgraph.kernels.triton_backend.peer_memory import path_for, peer_buffers
 from tgraph.tuning import Tuning
@@ -26,15 +31,18 @@ from tgraph.tuning import Tuning
 __all__ = ["KERNELS", "all_gather_into", "all_reduce_add_rms_norm_into", "all_reduce_into"]
 
 
-def _peer_route(x: torch.Tensor, tuning: Tuning) -> tuple[PeerBuffers | None, bool]:
-    """``(buffers, two_shot)`` when ``x`` goes over peer memory, ``(None, False)`` for NCCL."""
+def _peer_route(x: torch.Tensor, tuning: Tuning) -> tuple[PeerBuffers | None, str]:
+    """``(buffers, path)`` when ``x`` goes over peer memory (:func:`path_for`), else
+    ``(None, "nccl")``."""
     path = path_for(x.numel() * x.element_size(), tuning.all_reduce)
     if path == "nccl":
-        return None, False
+        return None, path
     buffers = peer_buffers(x, tuning.all_reduce)
+    if buffers is not None and path == "polled" and not fits_polled(buffers, x):
+        path = "one-shot"
     if buffers is None or not fits(buffers, x):
-        return None, False
-    return buffers, path == "two-shot"
+        return None, "nccl"
+    return buffers, path
 
 
 def all_reduce_into(outs: Outs, x: torch.Tensor, *, world_size: int, tuning: Tuning,
@@ -53,9 +61,9 @@ def all_reduce_into(outs: Outs, x: torch.Tensor, *, world_size: int, tuning: Tun
     """
     check_group_size("all_reduce", world_size)
     out = outs[0]
-    buffers, two_shot = _peer_route(x, tuning)
+    buffers, path = _peer_route(x, tuning)
     if buffers is not None and out.is_contiguous():
-        peer_all_reduce(buffers, x, out, two_shot=two_shot)
+        peer_all_reduce(buffers, x, out, two_shot=path == "two-shot", polled=path == "polled")
         return out
     out.copy_(x)
     dist.all_reduce(out, op=dist.ReduceOp.SUM)
@@ -126,10 +134,10 @@ def all_reduce_add_rms_norm_into(outs: Outs, x: torch.Tensor, residual: torch.Te
     if weight.dtype != x.dtype:
         return reference_into(op)(outs, x, residual, weight, eps=eps,
                                         world_size=world_size)
-    buffers, two_shot = _peer_route(x, tuning)
+    buffers, path = _peer_route(x, tuning)
     if buffers is not None and out.is_contiguous() and residual_out.is_contiguous():
-        peer_all_reduce(buffers, x, out, two_shot=two_shot, residual=residual, weight=weight,
-                        eps=eps, residual_out=residual_out)
+        peer_all_reduce(buffers, x, out, two_shot=path == "two-shot", polled=path == "polled",
+                        residual=residual, weight=weight, eps=eps, residual_out=residual_out)
         return out, residual_out
     if reduce_in_place and x.is_contiguous():
         reduced = x

@@ -15,7 +15,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from tgraph.kernels.triton.peer_allreduce import PeerBuffers
+from tgraph.kernels.triton.peer_allreduce import PeerBuffers, fill_polled
 from tgraph.nn.distributed import env_info
 from tgraph.tuning import AllReduceTuning
 
@@ -23,8 +23,8 @@ __all__ = ["path_for", "peer_buffers", "release_peer_buffers"]
 
 log = logging.getLogger(__name__)
 
-# (device index, group name, programs, half bytes) -> buffers, or None where peer memory is off.
-_made: dict[tuple[int, str, int, int], PeerBuffers | None] = {}
+# (device index, group name, element size, settings) -> buffers, or None where peer memory is off.
+_made: dict[tuple, PeerBuffers | None] = {}
 # The symmetric allocations behind the buffers: they must outlive every captured graph using them.
 _keep: list[object] = []
 
@@ -58,7 +58,7 @@ def _agree(device: torch.device, ok: bool) -> bool:
     return bool(flag.item())
 
 
-def _create(device: torch.device, tuning: AllReduceTuning) -> PeerBuffers | None:
+def _create(device: torch.device, tuning: AllReduceTuning, itemsize: int) -> PeerBuffers | None:
     world_size, rank = dist.get_world_size(), dist.get_rank()
     why = _local_checks(device)
     if not _agree(device, not why):
@@ -72,22 +72,32 @@ def _create(device: torch.device, tuning: AllReduceTuning) -> PeerBuffers | None
 
     largest = max(tuning.one_shot_max_bytes, tuning.two_shot_max_bytes)
     half = -(-largest * world_size // 256) * 256  # every rank's message side by side
-    data_offset, total = PeerBuffers.layout(world_size, tuning.programs, half)
+    polled = -(-tuning.polled_max_bytes * world_size // 256) * 256
+    data_offset, polled_offset, total = PeerBuffers.layout(world_size, tuning.programs, half,
+                                                           polled)
     buf = symm_mem.empty(total, dtype=torch.uint8, device=device)
+    state = torch.zeros(2, tuning.programs, dtype=torch.int32, device=device)
+    counters = torch.zeros(tuning.programs, dtype=torch.int32, device=device)
+    buffers = PeerBuffers(torch.zeros(world_size, dtype=torch.int64, device=device), counters,
+                          rank, world_size, tuning.programs, data_offset, half, polled_offset,
+                          polled, itemsize, state)
     buf.zero_()  # the flags start at 0 on every rank before any peer can raise one
+    fill_polled(buf, buffers)
     torch.cuda.synchronize(device)
     handle = symm_mem.rendezvous(buf, dist.group.WORLD)
     dist.barrier()
     _keep.extend((buf, handle))
-    bases = torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64, device=device)
-    counters = torch.zeros(tuning.programs, dtype=torch.int32, device=device)
+    buffers.bases.copy_(torch.tensor(list(handle.buffer_ptrs), dtype=torch.int64))
     log.info("tensor-parallel all-reduce over peer memory: %d ranks, messages up to %d bytes",
              world_size, largest)
-    return PeerBuffers(bases, counters, rank, world_size, tuning.programs, data_offset, half)
+    return buffers
 
 
 def path_for(nbytes: int, tuning: AllReduceTuning) -> str:
-    """``"one-shot"``, ``"two-shot"`` or ``"nccl"`` for a message of ``nbytes`` bytes."""
+    """``"polled"`` (one-shot without flags), ``"one-shot"``, ``"two-shot"`` or ``"nccl"`` for
+    a message of ``nbytes`` bytes."""
+    if nbytes <= tuning.polled_max_bytes:
+        return "polled"
     if nbytes <= tuning.one_shot_max_bytes:
         return "one-shot"
     return "two-shot" if nbytes <= tuning.two_shot_max_bytes else "nccl"
@@ -104,12 +114,12 @@ def peer_buffers(x: torch.Tensor, tuning: AllReduceTuning) -> PeerBuffers | None
         return None
     if dist.get_backend() != "nccl" or dist.get_world_size() < 2:
         return None
-    key = (x.device.index, dist.group.WORLD.group_name, tuning.programs,
-           max(tuning.one_shot_max_bytes, tuning.two_shot_max_bytes))
+    key = (x.device.index, dist.group.WORLD.group_name, x.element_size(), tuning.programs,
+           tuning.polled_max_bytes, tuning.one_shot_max_bytes, tuning.two_shot_max_bytes)
     if key not in _made:
         if torch.cuda.is_current_stream_capturing():
             return None
-        _made[key] = _create(x.device, tuning)
+        _made[key] = _create(x.device, tuning, x.element_size())
     return _made[key]
 
 
