@@ -241,19 +241,21 @@ def worker(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--model", action="append", default=[], help="NAME=DIR")
+    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL)")
     args = parser.parse_args(argv)
 
     from tgraph.nn import distributed
     from tgraph.runtime.llm import LLM
 
     # Joined here, so that no LLM owns (and closes) the group.
-    info = distributed.init_process_group("cpu",
+    info = distributed.init_process_group(args.device,
                                           timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    options = dict(LLM_OPTIONS, device=info.device.type)  # each rank: its LOCAL_RANK GPU
     report: dict[str, Any] = {"rank": info.rank, "world_size": info.world_size}
     for spec in args.model:
         name, model_dir = spec.split("=", 1)
         for label, sliced in (("sliced", True), ("gathered", False)):
-            llm = LLM(model_dir, **LLM_OPTIONS, **{SLICED: sliced})
+            llm = LLM(model_dir, **options, **{SLICED: sliced})
             runner = llm.runner
             entry: dict[str, Any] = {"tokens": _generate(llm, logprobs=False)}
             entry["sliced_steps"] = runner.vocab_parallel_steps
@@ -261,6 +263,8 @@ def worker(argv: Sequence[str] | None = None) -> None:
             entry["sliced_steps_after_logprobs"] = runner.vocab_parallel_steps
             entry["engines"] = {f"{'prefill' if p else 'decode'}+{'+'.join(f) or 'base'}":
                                 _gathers(e) for (p, f), e in llm.model.engines.items()}
+            entry["captured"] = {f"decode+{'+'.join(f) or 'base'}": e.captured_signatures
+                                 for (p, f), e in llm.model.engines.items() if not p}
             report[f"{name}_{label}"] = entry
             llm.close()
     args.out.mkdir(parents=True, exist_ok=True)
@@ -286,15 +290,19 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return dirs
 
 
-@pytest.fixture(scope="module")
-def reports(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def _launch(model_dirs: dict[str, Path], out: Path, device: str) -> list[dict]:
     from tests.distributed.launch import run_torchrun
 
-    out = tmp_path_factory.mktemp("tp_vocab_out")
     models = [a for name, path in model_dirs.items() for a in ("--model", f"{name}={path}")]
-    launch = run_torchrun([__file__, "--out", str(out), *models], LAUNCH_TIMEOUT_S)
+    launch = run_torchrun([__file__, "--out", str(out), "--device", device, *models],
+                          LAUNCH_TIMEOUT_S)
     assert launch.rc == 0, f"the launch failed:\n{launch.output[-6000:]}"
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def reports(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _launch(model_dirs, tmp_path_factory.mktemp("tp_vocab_out"), "cpu")
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])
@@ -331,6 +339,29 @@ def test_decode_steps_skip_the_logits_all_gather(name: str, reports: list[dict])
                                      "decode+vocab_parallel": 0}
         assert gathered["sliced_steps_after_logprobs"] == 0
         assert gathered["engines"] == {"prefill+base": 1, "decode+base": 1}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_tp2_on_nccl_samples_from_captured_slices(model_dirs: dict[str, Path],
+                                                  tmp_path: Path) -> None:
+    """The same on 2 GPUs over NCCL, fp32, CUDA graphs: the engine without the all-gather is
+    captured ahead of time with the base one (every bucket), its steps sample from the slices,
+    and the tokens equal one GPU's (fp32: the ranks' logits differ by rounding far below the
+    score gaps that decide these tokens)."""
+    from tgraph.runtime.llm import LLM
+
+    reports_gpu = _launch(model_dirs, tmp_path, "cuda")
+    for name in model_dirs:
+        llm = LLM(model_dirs[name], **dict(LLM_OPTIONS, device="cuda"))
+        expected = _generate(llm, logprobs=False)
+        llm.close()
+        for r, report in enumerate(reports_gpu):
+            sliced = report[f"{name}_sliced"]
+            assert sliced["tokens"] == expected, f"rank {r} {name}"
+            assert sliced["sliced_steps"] == MAX_TOKENS - 1
+            captured = sliced["captured"]
+            assert captured["decode+vocab_parallel"] == captured["decode+base"] > 0, captured
 
 
 if __name__ == "__main__":

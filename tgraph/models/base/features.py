@@ -59,6 +59,12 @@ class FeatureDecorator:
         """Whether this batch needs the feature's graph."""
         return False
 
+    def decode_capture_batch(self, batch: BatchMeta) -> BatchMeta | None:
+        """A placeholder decode ``batch`` changed to use this feature, when its engine is worth
+        capturing ahead of time with the base one (most decode steps will use it); ``None``
+        (the default): captured on its first decode step."""
+        return None
+
     def resident_inputs(self) -> dict[str, torch.Tensor]:
         """Inputs that live across steps on the model's device (e.g. adapter weights).
 

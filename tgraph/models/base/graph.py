@@ -443,8 +443,9 @@ class GraphState:
         return engine.graphs_of(handle)
 
     def capture_decode(self, buckets: Sequence[int] | None) -> list[int]:
-        """Capture the base decode engine for ``buckets`` (largest first) ahead of time; other
-        engines (feature combinations) are captured on their first decode step."""
+        """Capture the base decode engine for ``buckets`` (largest first) ahead of time, and
+        the engines of features that ask for it (:meth:`FeatureDecorator.decode_capture_batch`);
+        other engines (feature combinations) are captured on their first decode step."""
         if not self._can_capture():
             return []
         if not self.kv_caches:
@@ -455,4 +456,8 @@ class GraphState:
                               query_lens=[1] * b, seq_len=[0] * b, block_table=[[]] * b,
                               is_prefill=False)
             self.run(dummy)
+            for feature in self.features.values():
+                marked = feature.decode_capture_batch(dummy)
+                if marked is not None:
+                    self.run(marked)
         return buckets

@@ -3,6 +3,7 @@ the logits, for decode steps that only need tokens (the ranks then sample togeth
 :mod:`tgraph.runtime.vocab_parallel`)."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from tgraph.errors import ConfigError
@@ -41,6 +42,15 @@ class VocabParallelDecorator(FeatureDecorator):
 
     def is_used(self, batch: BatchMeta) -> bool:
         return self.model.llm_config.world_size > 1 and bool(batch.extra.get(self.name))
+
+    def decode_capture_batch(self, batch: BatchMeta) -> BatchMeta | None:
+        """Under tensor parallelism most decode steps sample from the slices: capture them too."""
+        config = self.model.llm_config
+        if config.world_size == 1 or not config.tuning.vocab_parallel.enabled:
+            return None
+        marked = dataclasses.replace(batch, extra=dict(batch.extra))
+        self.mark(marked)
+        return marked
 
     def enter_graph(self, inputs: dict[str, Tensor]) -> None:
         self._gather = self.model.gather_logits
