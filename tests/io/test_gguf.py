@@ -125,20 +125,8 @@ def demo_vocab(cache: Path) -> dict[str, Any]:
                 eos=tok.eos_token_id, template=CHAT_TEMPLATE)
 
 
-def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str, tuple], Q],
-               arch: str | None = None, name: str = "tiny", extra: dict[str, Any] | None = None,
-               extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
-    """Write ``hf`` as llama.cpp would (names, metadata, q/k permutation, tokenizer).
-
-    Args:
-        types: HF tensor name and shape -> the GGUF type of a 2-D weight (1-D tensors are F32).
-        arch: general.architecture (default: the family's).
-        extra: metadata to add ({key: value}, e.g. a rope scaling type).
-        extra_tensors: F32 tensors to add by GGUF name (e.g. ``rope_freqs.weight``).
-    """
-    c = hf.config
-    arch = arch or {"mistral": "llama"}.get(c.model_type, c.model_type)
-    w = gguf.GGUFWriter(str(path), arch)
+def add_model_metadata(w: Any, c: Any, arch: str, name: str) -> None:
+    """The shape metadata llama.cpp writes for HF config ``c`` under architecture ``arch``."""
     w.add_name(name)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
@@ -155,13 +143,10 @@ def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str,
     if head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    for key, value in (extra or {}).items():
-        if isinstance(value, str):
-            w.add_string(key, value)
-        elif isinstance(value, int):
-            w.add_uint16(key, value)
-        else:
-            w.add_float32(key, value)
+
+
+def add_tokenizer(w: Any, vocab: dict[str, Any]) -> None:
+    """The demo tokenizer (:func:`demo_vocab`) as GGUF tokenizer metadata."""
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(vocab["tokens"])
@@ -170,6 +155,31 @@ def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str,
     w.add_bos_token_id(vocab["bos"])
     w.add_eos_token_id(vocab["eos"])
     w.add_chat_template(vocab["template"])
+
+
+def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str, tuple], Q],
+               arch: str | None = None, name: str = "tiny", extra: dict[str, Any] | None = None,
+               extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+    """Write ``hf`` as llama.cpp would (names, metadata, q/k permutation, tokenizer).
+
+    Args:
+        types: HF tensor name and shape -> the GGUF type of a 2-D weight (1-D tensors are F32).
+        arch: general.architecture (default: the family's).
+        extra: metadata to add ({key: value}, e.g. a rope scaling type).
+        extra_tensors: F32 tensors to add by GGUF name (e.g. ``rope_freqs.weight``).
+    """
+    c = hf.config
+    arch = arch or {"mistral": "llama"}.get(c.model_type, c.model_type)
+    w = gguf.GGUFWriter(str(path), arch)
+    add_model_metadata(w, c, arch, name)
+    for key, value in (extra or {}).items():
+        if isinstance(value, str):
+            w.add_string(key, value)
+        elif isinstance(value, int):
+            w.add_uint16(key, value)
+        else:
+            w.add_float32(key, value)
+    add_tokenizer(w, vocab)
     rng = np.random.default_rng(7)
     for hf_name, t in hf.state_dict().items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:

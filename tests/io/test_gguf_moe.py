@@ -27,7 +27,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from tests.helpers import EXACT_CPU_QUANT
-from tests.io.test_gguf import VOCAB, demo_vocab, encode, gguf_name, llama_cpp_permute
+from tests.io.test_gguf import (
+    VOCAB,
+    add_model_metadata,
+    add_tokenizer,
+    demo_vocab,
+    encode,
+    gguf_name,
+    llama_cpp_permute,
+)
 from tgraph.cli import main
 from tgraph.errors import ConfigError, WeightLoadError
 from tgraph.io.checkpoint import open_checkpoint
@@ -145,22 +153,7 @@ def write_moe_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[
     c = hf.config
     arch = ARCH[c.model_type]
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny moe")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    head_dim = head_dim_of(c)
-    if head_dim != c.hidden_size // c.num_attention_heads:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    if arch == "llama":
-        w.add_rope_dimension_count(head_dim)
+    add_model_metadata(w, c, arch, "tiny moe")
     experts = getattr(c, "num_experts", None) or c.num_local_experts
     w.add_expert_count(expert_count or experts)
     w.add_expert_used_count(c.num_experts_per_tok)
@@ -168,13 +161,7 @@ def write_moe_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(vocab["tokens"])
-    w.add_token_types(vocab["types"])
-    w.add_token_merges(vocab["merges"])
-    w.add_bos_token_id(vocab["bos"])
-    w.add_eos_token_id(vocab["eos"])
+    add_tokenizer(w, vocab)
     rng = np.random.default_rng(5)
     held: dict[str, np.ndarray] = {}
     for hf_name, t in hf.state_dict().items():
