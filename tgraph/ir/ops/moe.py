@@ -95,9 +95,10 @@ def moe_reference(x, router_logits, w13, w2, *, top_k, renormalize):
     weights, ids = route(router_logits, top_k, renormalize)
     experts = router_logits.shape[1]
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    # On the CPU only the experts some token picked run, each on its tokens (the host may
-    # synchronise); elsewhere every expert runs on every token, weighted 0 where unpicked.
-    sparse = x.device.type == "cpu"
+    # Only the experts some token picked run, each on its tokens (the host synchronises once);
+    # inside a CUDA graph capture, which cannot synchronise, every expert runs on every token,
+    # weighted 0 where unpicked.
+    sparse = not (x.is_cuda and torch.cuda.is_current_stream_capturing())
     chosen = ids.unique().tolist() if sparse else range(experts)
     for e in chosen:
         share = (weights * (ids == e)).sum(-1)  # 0 where the token did not pick expert e
