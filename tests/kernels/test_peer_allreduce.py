@@ -164,3 +164,18 @@ def test_fits_refuses_what_the_buffer_cannot_hold():
     assert not fits(peer, torch.empty(64, 4).t())  # last dim strided
     with pytest.raises(ValueError, match="does not fit"):
         peer_all_reduce(peer, torch.empty(5, 64), torch.empty(5, 64))
+
+
+def test_path_by_message_size():
+    from tgraph.kernels.triton_backend.peer_memory import path_for, peer_buffers
+    from tgraph.tuning import AllReduceTuning
+
+    t = AllReduceTuning(polled_max_bytes=100, one_shot_max_bytes=1000, two_shot_max_bytes=5000)
+    assert [path_for(n, t) for n in (1, 100, 101, 1000, 1001, 5000, 5001)] == [
+        "polled", "polled", "one-shot", "one-shot", "two-shot", "two-shot", "nccl"]
+    # The defaults: no two-shot window (it lost to one-shot at every size on 2 GPUs).
+    d = AllReduceTuning()
+    assert path_for(d.one_shot_max_bytes + 1, d) == "nccl"
+    # CPU tensors (gloo) and the setting off keep NCCL/gloo.
+    assert peer_buffers(torch.empty(4), d) is None
+    assert peer_buffers(torch.empty(4), AllReduceTuning(peer=False)) is None
