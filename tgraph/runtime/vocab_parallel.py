@@ -2,9 +2,10 @@
 
 Under tensor parallelism the LM head leaves rank ``r`` the logits of tokens
 ``[r * V / W, (r + 1) * V / W)``. When a decode step needs only tokens (no logprobs, no logit
-bias), the runner runs the engines of :class:`~tgraph.models.llama.modeling.VocabParallelDecorator`
-(no all-gather of ``[rows, V]``) and every rank samples the same tokens as the sampler would on
-whole rows (:class:`~tgraph.runtime.sampler.Sampler`):
+bias), the runner runs the engines of
+:class:`~tgraph.models.base.vocab_parallel.VocabParallelDecorator` (no all-gather of
+``[rows, V]``) and every rank samples the same tokens as the sampler would on whole rows
+(:class:`~tgraph.runtime.sampler.Sampler`):
 
 * penalties and temperature act on each entry alone: each rank applies them to its slice, with
   the token history of its slice;
