@@ -249,6 +249,10 @@ class CpuTuning(_Section):
               "and scales (fp32 activations take a ~30x slower path): ~0.2-0.4% error per "
               "linear; false dequantizes each quantized weight once into a cached exact dense "
               "copy (4-8x its packed bytes)")
+    int8_group_kernel: bool = knob(
+        False, "with bf16_quant_activations, int8 weights with group scales (GGUF Q8_0, e.g. "
+               "SmolLM2's tied embedding / lm_head) run torch's int8 kernel once per group: "
+               "~0.4% error, the codes' bytes resident instead of a 4x larger exact dense copy")
     slice_max_rows: int = knob(16, "dense GEMMs of 2 to this many rows run in column slices")
     slice_cols: int = knob(768, "the width of those column slices")
     step_programs: bool = knob(

@@ -8,13 +8,15 @@ fp32 compute exactly what the reference computes (the same operations in the sam
 """
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tests.ir.test_ops import OP_INFOS, SHORT, OpInfo, check_samples
 from tgraph.ir.network import Network
 from tgraph.ir.ops import get_op
-from tgraph.kernels.cpu_backend import core
+from tgraph.kernels.cpu_backend import attention, core
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import get_default_net
 from tgraph.nn.tensor import Tensor
@@ -95,7 +97,8 @@ def _cache(num_blocks: int, block: int, heads: int, dim: int, seed: int
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("tables", [
     [[3, 4, 5, 0]],                       # one run of consecutive blocks: read as one view
-    [[7, 2, 3, 0], [1, 6, 0, 0]],          # fragmented: one view per run
+    [[7, 2, 3, 0]],                       # one sequence in two runs: its keys gathered
+    [[7, 2, 3, 0], [1, 6, 0, 0]],          # several sequences: gathered, padded and masked
 ])
 def test_decode_attention_reads_the_cache_in_place(tables: list[list[int]],
                                                    window: int | None) -> None:
@@ -125,43 +128,53 @@ def test_prefill_attention_with_a_cached_prefix() -> None:
     _close(out, want, "prefill attention")
 
 
+@pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("packed", [False, True])
-def test_rope_cache_attention_writes_the_cache_and_attends(packed: bool) -> None:
+def test_rope_cache_attention_writes_the_cache_and_attends(packed: bool, tokens: int) -> None:
     k_cache, v_cache = _cache(6, 4, 2, 16, seed=6)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     g = _gen(7)
     if packed:  # views of one q|k|v row, as the model's split makes them: rotated in one pass
-        qkv = torch.randn(2, 8 * 16, generator=g)
-        q, k, v = (part.view(2, -1, 16) for part in qkv.split([64, 32, 32], dim=1))
-        assert k.data_ptr() == q.data_ptr() + 64 * q.element_size()
+        qkv = torch.randn(tokens, 8 * 16, generator=g)
+        q, k, v = (part.view(tokens, -1, 16) for part in qkv.split([64, 32, 32], dim=1))
+        assert attention._joined(q, k) is not None  # any stride of a single token's dim 0
     else:
-        q, k, v = (torch.randn(2, h, 16, generator=g) for h in (4, 2, 2))
-    cos, sin = torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
-    slots = torch.tensor([9, -1], dtype=torch.int32)  # the second row is padding
-    table = torch.tensor([[1, 2, 0], [4, 0, 0]], dtype=torch.int32)
-    seq_len = torch.tensor([10, 3], dtype=torch.int32)
+        q, k, v = (torch.randn(tokens, h, 16, generator=g) for h in (4, 2, 2))
+    cos, sin = torch.randn(tokens, 8, generator=g), torch.randn(tokens, 8, generator=g)
+    # the second row, when there is one, is padding
+    slots = torch.tensor([9, -1][:tokens], dtype=torch.int32)
+    table = torch.tensor([[1, 2, 0], [4, 0, 0]][:tokens], dtype=torch.int32)
+    seq_len = torch.tensor([10, 3][:tokens], dtype=torch.int32)
     out = torch.empty_like(q)
     core.rope_cache_attention_into([out, None, None], q, k, v, cos, sin, k_cache, v_cache, slots,
-                                   table, seq_len)
+                                   table, seq_len, tuning=Tuning())
     want, _, _ = get_op("rope_cache_attention").reference(q, k, v, cos, sin, ref_k, ref_v, slots,
                                                           table, seq_len)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     _close(out, want, "rope_cache_attention")
 
 
+@pytest.mark.parametrize("held_kb", [256, 1])  # 1: the gate|up scratch made at every call
 @pytest.mark.parametrize("m, n", [(3, 96), (4, 1600)])  # 1600: GEMMs in column slices
 @pytest.mark.parametrize("act", [None, "swiglu"])
-def test_linears_write_in_place_with_their_epilogues(act: str | None, m: int, n: int) -> None:
+def test_linears_write_in_place_with_their_epilogues(act: str | None, m: int, n: int,
+                                                     held_kb: int) -> None:
     g = _gen(8)
     x, nw = torch.randn(m, 64, generator=g), torch.randn(64, generator=g)
     w, b = torch.randn(n, 64, generator=g) / 8, torch.randn(n, generator=g)
     res = torch.randn(m, n, generator=g)
     tuning = Tuning()
+    tuning = dataclasses.replace(tuning, cpu=dataclasses.replace(tuning.cpu,
+                                                                 held_scratch_kb=held_kb))
     out = torch.empty(m, n)
     core.linear_epilogue_into([out], x, w, b, res, tuning=tuning)
     _close(out, get_op("linear_epilogue").reference(x, w, b, res), "linear + bias + residual")
     core.linear_epilogue_into([out], x, w, b, res, tuning=tuning, act="silu")
     _close(out, get_op("linear_epilogue").reference(x, w, b, res, act="silu"), "act epilogue")
     out = torch.empty(m, n // 2 if act else n)
-    core.norm_linear_into([out], x, nw, w, b, tuning=tuning, eps=1e-5, act=act)
-    _close(out, get_op("norm_linear").reference(x, nw, w, b, eps=1e-5, act=act), "norm_linear")
+    bound = core.norm_linear_into.bind([out], x, nw, w, b, tuning=tuning, eps=1e-5, act=act)
+    for _ in range(2):  # a bound kernel, as a step program runs it, at each call
+        out.zero_()
+        bound()
+        _close(out, get_op("norm_linear").reference(x, nw, w, b, eps=1e-5, act=act),
+               "norm_linear")

@@ -7,8 +7,11 @@ Tolerances, relative to the output's largest magnitude:
   return bf16: each rounding is at most 2^-9 relative, so an output is off by at most ~3 * 2^-9
   (activation, scale and output roundings) of the output's scale: 1e-2 allowed, and the error
   must also stay above fp32 noise, showing the bf16 path really ran.
+- int8 with group scales (GGUF ``Q8_0``) under ``CpuTuning.int8_group_kernel``: the int8
+  kernel once per group, its bf16 partial products summed in fp32: the same roundings per
+  partial, so the same 1e-2.
 - The exact path (``CpuTuning.bf16_quant_activations=False``: dequantized once, cached) and
-  int8 with group scales (GGUF ``Q8_0``) compute in fp32: 1e-5 (summation order only).
+  int8 with group scales by default compute in fp32: 1e-5 (summation order only).
 """
 from __future__ import annotations
 
@@ -51,6 +54,21 @@ def test_packed_kernels_within_bf16_tolerance(kind: str, group: int | None, offs
     packed.run(x, out)
     err = _rel(out, want)
     assert 1e-6 < err <= PACKED_TOL, f"{kind} g{group} offsets={offsets} M={m}: error {err:.3g}"
+
+
+@pytest.mark.parametrize("m", [1, 4, 33])
+def test_int8_groups_within_bf16_tolerance(m: int) -> None:
+    w = _weight("int8", 32, False, k=576)  # GGUF Q8_0's layout, SmolLM2's K
+    x = torch.randn(m, w.shape[1], generator=torch.Generator().manual_seed(4))
+    want = x @ w.dequantize().t()
+    packed = packed_linear(w, torch.float32, int8_groups=True)
+    assert packed.how == "int8groups"
+    assert packed.packed.nbytes == w.qdata.nbytes  # the codes, no dense copy
+    out = torch.empty(m, w.shape[0])
+    packed.run(x, out)
+    err = _rel(out, want)
+    assert 1e-6 < err <= PACKED_TOL, f"Q8_0 M={m}: error {err:.3g}"
+    assert packed_linear(w, torch.float32).how == "dense"  # not asked for: the exact copy
 
 
 @pytest.mark.parametrize("kind, group, offsets", [

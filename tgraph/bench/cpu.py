@@ -9,11 +9,15 @@ be had, else the ``smollm2-135m`` preset shape with random weights (fp32 only). 
 - ``transformers fp32``: ``AutoModelForCausalLM`` on the same GGUF (dequantized to fp32), eager.
 
 Each runs the chat prompts greedily, ``max_tokens`` new tokens each (EOS ignored), at every batch
-(prompts per ``generate`` call), measured by :mod:`tgraph.runtime.speed`. A tgraph system's
-tokens are compared with transformers' one prompt at a time (no padding).
+(prompts per ``generate`` call), measured by :mod:`tgraph.runtime.speed`. Every system stays
+loaded and each round measures every system at every batch in turn, so that a machine whose load
+drifts (other work sharing its cores) weighs on all of them alike; a row reports the median of
+its rounds. A tgraph system's tokens are compared with transformers' one prompt at a time (no
+padding).
 """
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -79,10 +83,18 @@ def _random_checkpoint(cache_dir: Path) -> tuple[Path, Any]:
     return out, model
 
 
-def _row(system: str, speed: Speed, reference: Speed | None) -> dict[str, Any]:
+def _median(speeds: list[Speed]) -> Speed:
+    return sorted(speeds, key=lambda sp: sp.seconds)[len(speeds) // 2]
+
+
+def _row(system: str, speeds: list[Speed], reference: Speed | None) -> dict[str, Any]:
+    """One system at one batch over its rounds: the median round's numbers."""
+    speed = _median(speeds)
     row: dict[str, Any] = {"system": system, "batch": speed.batch, "tokens": speed.tokens,
                            "seconds": round(speed.seconds, 3),
                            "tokens_per_s": round(speed.tokens_per_second, 2)}
+    if len(speeds) > 1:
+        row["tokens_per_s_rounds"] = [round(sp.tokens_per_second, 2) for sp in speeds]
     if reference is not None:
         same = sum(a == b for a, b in zip(speed.token_ids, reference.token_ids))
         row["tokens_equal_transformers"] = f"{same}/{len(reference.token_ids)}"
@@ -92,7 +104,8 @@ def _row(system: str, speed: Speed, reference: Speed | None) -> dict[str, Any]:
 def run_cpu_bench(gguf: str | os.PathLike[str] | None = None, batches: Sequence[int] = (1, 4),
                   max_tokens: int = 64, json_path: str | None = None,
                   cache_dir: str | os.PathLike[str] | None = None, random_model: bool = False,
-                  threads: int | None = None, verbose: bool = True) -> dict[str, Any]:
+                  threads: int | None = None, verbose: bool = True,
+                  rounds: int = 3) -> dict[str, Any]:
     """Measure tgraph (fp32 and quantized) and transformers eager on the CPU.
 
     Args:
@@ -104,8 +117,10 @@ def run_cpu_bench(gguf: str | os.PathLike[str] | None = None, batches: Sequence[
         random_model: use the preset shape with random weights, no GGUF.
         threads: torch threads (default: every core this process may use).
         verbose: print each result as it comes.
+        rounds: measurements of every system at every batch, interleaved; rows report the
+            median.
     Returns:
-        ``{"model", "threads", "max_tokens", "results": [...], "ratios": {...}}``.
+        ``{"model", "threads", "max_tokens", "rounds", "results": [...], "ratios": {...}}``.
     """
     from tgraph.runtime.llm import LLM
 
@@ -123,47 +138,51 @@ def run_cpu_bench(gguf: str | os.PathLike[str] | None = None, batches: Sequence[
     else:
         fp32_dir, hf = _random_checkpoint(root)
         model_name = f"{RANDOM_PRESET} (random weights)"
-    systems: list[tuple[str, Path]] = [("tgraph fp32", fp32_dir)]
+    sources: list[tuple[str, Path]] = [("tgraph fp32", fp32_dir)]
     if path is not None:
-        systems.append(("tgraph quantized", path))
+        sources.append(("tgraph quantized", path))
     report: dict[str, Any] = {"model": model_name, "threads": torch.get_num_threads(),
                               "max_tokens": max_tokens, "batches": list(batches),
-                              "results": []}
+                              "rounds": rounds, "results": []}
 
     def add(row: dict[str, Any]) -> None:
         report["results"].append(row)
         if verbose:
             print(json.dumps(row), flush=True)
 
-    prompts: list[list[int]] | None = None
-    speeds: dict[tuple[str, int], Speed] = {}
-    for system, where in systems:
-        llm = LLM(where, device="cpu", dtype="float32", max_model_len=512,
-                  cpu_threads=torch.get_num_threads())
-        if prompts is None:
-            prompts = [llm.encode(p, chat=True) for p in CHAT_PROMPTS] if path is not None \
-                else [[(7 * i + 13 * j) % 4000 + 100 for j in range(24)] for i in range(4)]
-        for b in batches:
-            speeds[system, b] = tgraph_speed(llm, prompts, b, max_tokens)
-        llm.close()
-        del llm
+    llms = {system: LLM(where, device="cpu", dtype="float32", max_model_len=512,
+                        cpu_threads=torch.get_num_threads()) for system, where in sources}
+    first = next(iter(llms.values()))
+    prompts = [first.encode(p, chat=True) for p in CHAT_PROMPTS] if path is not None \
+        else [[(7 * i + 13 * j) % 4000 + 100 for j in range(24)] for i in range(4)]
+    measures: dict[str, Any] = {
+        system: functools.partial(tgraph_speed, llm) for system, llm in llms.items()}
+    measures["transformers fp32"] = functools.partial(transformers_speed, hf)
+    speeds: dict[tuple[str, int], list[Speed]] = {}
+    try:
+        for _ in range(rounds):
+            for system, measure in measures.items():
+                for b in batches:
+                    speeds.setdefault((system, b), []).append(measure(prompts, b, max_tokens))
+    finally:
+        for llm in llms.values():
+            llm.close()
+        llms.clear()
         gc.collect()
-    assert prompts is not None
-    for b in batches:
-        speeds["transformers fp32", b] = transformers_speed(hf, prompts, b, max_tokens)
-    reference = speeds.get(("transformers fp32", 1))
-    for system in [s for s, _ in systems] + ["transformers fp32"]:
+    reference = speeds[("transformers fp32", 1)][0] if 1 in batches else None
+    median = {key: _median(runs).tokens_per_second for key, runs in speeds.items()}
+    for system in measures:
         for b in batches:
             add(_row(system, speeds[system, b],
                      None if system.startswith("transformers") else reference))
     ratios = {}
-    for system, _ in systems:
+    for system, _ in sources:
         for b in batches:
             for ref_b in sorted({1, b}):
-                ref = speeds.get(("transformers fp32", ref_b))
-                if ref is not None and ref.tokens_per_second > 0:
+                ref = median.get(("transformers fp32", ref_b))
+                if ref is not None and ref > 0:
                     ratios[f"{system} b{b} / transformers b{ref_b}"] = round(
-                        speeds[system, b].tokens_per_second / ref.tokens_per_second, 2)
+                        median[system, b] / ref, 2)
     report["ratios"] = ratios
     if verbose:
         print(json.dumps({"ratios": ratios}, indent=1))

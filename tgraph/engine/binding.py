@@ -249,12 +249,18 @@ def _resolve_attrs(attrs: dict[str, Any], env: Mapping[str, int]) -> dict[str, A
 class Binding:
     """What depends on the concrete dims of one call signature: the shapes of every value, the
     memory plan of each device label (``None``: the single device), the steps' attributes with
-    their symbols resolved, and the buffer views of the latest arena set they were built for."""
+    their symbols resolved, the buffer views of the latest arena set they were built for and, on
+    the CPU, the step program."""
 
     shapes: dict[Value, tuple[tuple[int, ...], torch.dtype]]
     memory: dict[str | None, MemoryPlan]
     attrs: dict[int, dict[str, Any]]
     views: tuple[Any, list[list[torch.Tensor | None]]] | None = None  # (arena set, views)
+    # The CPU's step program of this signature (tgraph.engine.program), and what builds it: the
+    # previous call's inputs, and whether a step of the plan cannot be bound.
+    program: Any = None
+    last_inputs: dict[str, torch.Tensor] | None = None
+    unbindable: bool = False
 
     @property
     def arena_bytes(self) -> int:

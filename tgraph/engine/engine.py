@@ -22,6 +22,7 @@ from tgraph.engine.binding import (
 )
 from tgraph.engine.capture import Capture, CapturedSignature, CaptureHandle
 from tgraph.engine.plan import LaunchPlan, is_pure_view, is_side_hint, lower
+from tgraph.engine.program import build_program
 from tgraph.errors import CaptureError, EngineInputError, GraphError
 from tgraph.ir.network import Network
 from tgraph.ir.ops import get_op
@@ -86,7 +87,8 @@ class Engine:
     Triton kernels (and cuBLAS) writing into one arena per device planned by liveness; ``"cpu"``
     runs torch's CPU kernels (in-place GEMMs, packed int4/int8 matmuls, attention reading the
     paged cache in place) into the same kind of arena; ``"auto"`` (default) picks ``triton`` for
-    CUDA inputs and ``cpu`` otherwise. ``tuning`` holds the
+    CUDA inputs and ``cpu`` otherwise; on the CPU a signature called again runs as a step program
+    (:mod:`tgraph.engine.program`), its steps bound once. ``tuning`` holds the
     kernels' launch settings (:class:`~tgraph.tuning.Tuning`; the measured defaults when None).
     ``features`` names the feature decorators (e.g. LoRA) the network was recorded with, shown by
     ``str(engine)``.
@@ -265,7 +267,10 @@ class Engine:
         if self._arenas is None:
             self._arenas = ArenaSet.allocate(call.binding.memory, call.device)
         else:
-            self._arenas = self._arenas.grown(call.binding.memory, call.device)
+            grown = self._arenas.grown(call.binding.memory, call.device)
+            if grown is not self._arenas:
+                self._drop_programs()  # they hold views of the old arenas
+            self._arenas = grown
         return self._buffers(call.plan, call.binding, self._arenas)
 
     # ---- running ---------------------------------------------------------------------------------
@@ -307,9 +312,11 @@ class Engine:
             self._replay(signature)
             slots = signature.slots
         else:
-            slots = self._initial_slots(call.plan, call.tensors)
-            self._run_steps(call.plan, range(len(call.plan.steps)), slots,
-                            self._uncaptured_buffers(call), call.binding)
+            slots = self._run_program(call)
+            if slots is None:
+                slots = self._initial_slots(call.plan, call.tensors)
+                self._run_steps(call.plan, range(len(call.plan.steps)), slots,
+                                self._uncaptured_buffers(call), call.binding)
         return self._collect(call.plan, slots, outputs)
 
     __call__ = forward
@@ -333,6 +340,38 @@ class Engine:
                     name = labels.get(v, v.label()).lstrip("%")
                     out[f"{i:04d}.{step.node.op}.{name}"] = value.detach().clone()
         return out
+
+    def _run_program(self, call: _Call) -> list[Any] | None:
+        """Run a CPU call through its binding's step program (:mod:`tgraph.engine.program`),
+        built at the binding's second call; returns the slots, or ``None`` to run the call
+        uncaptured (the binding's first call, a step that cannot be bound, not the CPU)."""
+        if self.placement is not None or not call.plan.uses_arena \
+                or (call.device is not None and call.device.type != "cpu") \
+                or not self.tuning.cpu.step_programs:
+            return None
+        binding = call.binding
+        buffers = self._uncaptured_buffers(call)
+        previous, binding.last_inputs = binding.last_inputs, call.tensors
+        program = binding.program
+        if program is not None and program.arenas is self._arenas \
+                and program.load(call.tensors):
+            program.run()
+            return program.slots
+        if previous is None or binding.unbindable:
+            return None
+        # Inputs written in place or passed as the same tensor again are read where they are.
+        held = frozenset(name for name, t in call.tensors.items()
+                         if name in self._mutated_inputs or previous.get(name) is t)
+        inputs = {name: t if name in held else t.clone() for name, t in call.tensors.items()}
+        slots = self._initial_slots(call.plan, inputs)
+        binding.program = build_program(call.plan, binding.attrs, buffers, slots, self._arenas,
+                                        inputs, held)
+        binding.unbindable = binding.program is None
+        return slots
+
+    def _drop_programs(self) -> None:
+        for binding in self._bindings.values():
+            binding.program = None
 
     def _replay(self, signature: CapturedSignature) -> None:
         if signature.prologue is not None:
@@ -561,8 +600,10 @@ class Engine:
     def release_captures(self) -> None:
         """Drop every captured CUDA graph; the next ``forward`` of a signature runs uncaptured
         until ``capture`` is called again. Needed before the memory or the process group the
-        graphs use goes away (a KV cache reallocated, NCCL communicators destroyed)."""
+        graphs use goes away (a KV cache reallocated, NCCL communicators destroyed). The CPU's
+        step programs, which hold such memory too, are dropped as well."""
         self._capture.release()
+        self._drop_programs()
 
     # ---- checks ----------------------------------------------------------------------------------
 

@@ -43,5 +43,8 @@ def select_kernel(node: Node, tuning: Tuning, backend: str = "triton"
         return reference_into(node.op), f"torch.{node.op}"
     fn = entry.spec.fn
     if entry.spec.tuned:
-        fn = functools.partial(fn, tuning=tuning)
+        tuned = functools.partial(fn, tuning=tuning)
+        if hasattr(fn, "bind"):  # the engine's step programs bind such kernels once
+            tuned.bind = functools.partial(fn.bind, tuning=tuning)
+        fn = tuned
     return fn, entry.name

@@ -9,9 +9,13 @@
 - Both kernels run fast only on bf16 activations and scales (fp32 takes a much slower path), so
   activations, scales and zeros are rounded to bf16 and the bf16 output widened: at most ~3 x
   2^-9 of an output's scale (``tgraph.tuning.CpuTuning.bf16_quant_activations``).
-- Everything else (``int8`` with group scales such as GGUF ``Q8_0``, ``fp8``, int4 groups the
-  kernel refuses, non-fp32 activations) and the exact mode (``bf16_quant_activations=False``):
-  the weight dequantized once, at first use, into a dense copy that is cached. That is exact but
+- ``int8`` with group scales (GGUF ``Q8_0``), when ``CpuTuning.int8_group_kernel`` asks for it:
+  ``aten._weight_int8pack_mm`` once per group of K (its scales are one per output channel), on
+  the codes laid out group by group, the bf16 partial products summed in fp32: the codes' bytes
+  resident instead of a 4x larger dense copy, at the bf16 path's error.
+- Everything else (``int8`` with group scales by default, ``fp8``, int4 groups the kernel
+  refuses, non-fp32 activations) and the exact mode (``bf16_quant_activations=False``): the
+  weight dequantized once, at first use, into a dense copy that is cached. That is exact but
   holds the dense bytes; the reference path (``impl="reference"``) dequantizes per call.
 
 Packed forms are cached per weight (keyed by the codes tensor, dropped with it), never per step.
@@ -30,6 +34,7 @@ __all__ = ["INT4_GROUP_SIZES", "PackedLinear", "packed_linear"]
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 # The packed kernels' vectorised path takes bf16 activations and scales (fp32 does not).
 _ACT = torch.bfloat16
+_INT8_MM = torch.ops.aten._weight_int8pack_mm.default
 
 
 class PackedLinear:
@@ -37,10 +42,12 @@ class PackedLinear:
     w.T`` for fp32 ``x2 [M, K]``.
 
     Attributes:
-        how: ``"int4pack"``, ``"int8pack"`` or ``"dense"`` (what ``str`` and tests report).
+        how: ``"int4pack"``, ``"int8pack"``, ``"int8groups"`` or ``"dense"`` (what ``str`` and
+            tests report).
     """
 
-    def __init__(self, w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True) -> None:
+    def __init__(self, w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True,
+                 int8_groups: bool = False) -> None:
         self.perm = self.source_perm = w.perm
         self.n, self.k = w.shape
         self.dtype = dtype
@@ -61,6 +68,14 @@ class PackedLinear:
             self.packed = w.qdata.contiguous()
             self.scales = w.scale.reshape(self.n).to(_ACT).contiguous()
             self.offsets = None if w.offset is None else w.offset.reshape(self.n).contiguous()
+        elif packable and int8_groups and scheme.kind == "int8" and scheme.block[0] == 1 \
+                and w.offset is None and self.k % group == 0:
+            self.how = "int8groups"
+            self.group = group
+            # (K / G, N, G): each group's codes a contiguous [N, G] matrix, its scales [N]
+            self.packed = w.qdata.view(self.n, -1, group).transpose(0, 1).contiguous()
+            self.scales = w.scale.t().to(_ACT).contiguous()
+            self.per_group = list(zip(self.packed.unbind(0), self.scales.unbind(0)))
         else:
             self.how = "dense"
             self.packed = w.dequantize(dtype)
@@ -78,21 +93,29 @@ class PackedLinear:
             out2.copy_(torch.ops.aten._weight_int4pack_mm_for_cpu(
                 xa, self.packed, self.group, self.scales_zeros))
             return
-        out2.copy_(torch.ops.aten._weight_int8pack_mm(xa, self.packed, self.scales))
+        if self.how == "int8groups":
+            parts = zip(xa.view(xa.shape[0], -1, self.group).unbind(1), self.per_group)
+            x_g, (codes, scales) = next(parts)
+            out2.copy_(_INT8_MM(x_g, codes, scales))
+            for x_g, (codes, scales) in parts:
+                out2.add_(_INT8_MM(x_g, codes, scales))
+            return
+        out2.copy_(_INT8_MM(xa, self.packed, self.scales))
         if self.offsets is not None:
             out2.addr_(x2.sum(1), self.offsets)
 
 
-# (id(codes tensor), dtype, bf16) -> (a weak reference to the codes, packed form); an entry
-# leaves with its codes.
-_CACHE: dict[tuple[int, torch.dtype, bool], tuple[weakref.ref, PackedLinear]] = {}
+# (id(codes tensor), dtype, bf16, int8 groups) -> (a weak reference to the codes, packed form);
+# an entry leaves with its codes.
+_CACHE: dict[tuple[int, torch.dtype, bool, bool], tuple[weakref.ref, PackedLinear]] = {}
 
 
-def _forget(key: tuple[int, torch.dtype, bool]) -> None:
+def _forget(key: tuple[int, torch.dtype, bool, bool]) -> None:
     _CACHE.pop(key, None)
 
 
-def packed_linear(w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True) -> PackedLinear:
+def packed_linear(w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True,
+                  int8_groups: bool = False) -> PackedLinear:
     """``w`` packed for the CPU kernels at activation dtype ``dtype`` (made on first use).
 
     Args:
@@ -100,13 +123,15 @@ def packed_linear(w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True) -> 
         dtype: the activations' dtype.
         bf16: take the packed kernels' bf16 path (``CpuTuning.bf16_quant_activations``); false
             gives the exact dense copy.
+        int8_groups: run int8 weights with group scales packed too
+            (``CpuTuning.int8_group_kernel``; with ``bf16`` only).
     """
-    key = (id(w.qdata), dtype, bf16)
+    key = (id(w.qdata), dtype, bf16, int8_groups)
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is w.qdata and hit[1].source_perm is w.perm \
             and (hit[1].n, hit[1].k) == tuple(w.shape):
         return hit[1]
-    packed = PackedLinear(w, dtype, bf16)
+    packed = PackedLinear(w, dtype, bf16, int8_groups)
     if hit is None:
         weakref.finalize(w.qdata, _forget, key)
     _CACHE[key] = (weakref.ref(w.qdata), packed)
