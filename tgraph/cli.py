@@ -141,7 +141,8 @@ def _serve(args: argparse.Namespace) -> int:
         config = ServerConfig(served_model_name=name, api_key=api_key,
                               max_waiting=args.max_waiting,
                               default_max_tokens=args.default_max_tokens,
-                              gil_switch_interval_s=args.gil_switch_interval)
+                              gil_switch_interval_s=args.gil_switch_interval,
+                              allow_runtime_lora=args.allow_runtime_lora)
     except ValueError as err:
         raise ConfigError(f"serve: {err}") from None
     llm = _load(args, in_process)
@@ -237,6 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--single-lora", metavar="DIR",
                      help="a PEFT LoRA adapter applied to every request (stacks with the one a "
                           "request names)")
+    srv.add_argument("--allow-runtime-lora", action="store_true",
+                     help="serve POST /v1/load_lora_adapter, /v1/unload_lora_adapter and "
+                          "/v1/set_single_lora (behind --api-key when one is set)")
     srv.add_argument("--max-model-len", type=int)
     srv.add_argument("--rules", metavar="FILE", help="YAML injection rules (see configs/rules/)")
     srv.add_argument("--dist-timeout", type=float, metavar="SECONDS",

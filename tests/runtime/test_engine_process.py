@@ -1,6 +1,7 @@
 """The engine in a child process: the same tokens as ``LLM.generate``, bad input refused in the
-parent by the engine's own errors, a load error raised as itself, and streams that end when the
-engine closes or its process dies (tiny Llama, fp32 on CPU)."""
+parent by the engine's own errors, a load error raised as itself, streams that end when the
+engine closes or its process dies, and LoRA adapters loaded, unloaded and switched while it runs
+(tiny Llama, fp32 on CPU)."""
 from __future__ import annotations
 
 import asyncio
@@ -11,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from tgraph.errors import ConfigError, RequestTooLongError
+from tgraph.errors import ConfigError, RequestTooLongError, WeightLoadError
+from tgraph.runtime.adapters import AdapterInUseError, AdapterNotFoundError
 from tgraph.runtime.engine_core import EngineClosedError
 from tgraph.runtime.engine_process import EngineProcess
 from tgraph.runtime.llm import LLM
@@ -112,3 +114,80 @@ def test_streams_end_when_the_engine_closes_or_its_process_dies(model_dir: Path)
             asyncio.run(main())
         finally:
             engine.close()
+
+
+# ---- LoRA adapters at run time -----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def adapters(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two PEFT adapters of the tiny Llama: "qv" (per request) and "dom" (for every request)."""
+    pytest.importorskip("peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.models.test_lora import make_adapter
+
+    root = tmp_path_factory.mktemp("engine-process-adapters")
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    make_adapter(hf, root / "qv", 13, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    make_adapter(hf, root / "dom", 11, r=8, lora_alpha=16,
+                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                 "up_proj", "down_proj"])
+    return root
+
+
+def test_adapters_change_in_the_child_as_in_an_llm(model_dir: Path, adapters: Path) -> None:
+    """Loaded, unloaded (refused while a request uses it), set and cleared in the child: the
+    tokens of an LLM built with the adapters from the start."""
+    llm = LLM(model_dir, loras={"qv": adapters / "qv"}, single_lora=adapters / "dom", **OPTIONS)
+    try:
+        stacked = llm.generate(PROMPTS[0], GREEDY, lora="qv")[0].token_ids
+        llm.set_single_lora(None)
+        tuned = llm.generate(PROMPTS[0], GREEDY, lora="qv")[0].token_ids
+        base = llm.generate(PROMPTS[0], GREEDY)[0].token_ids
+    finally:
+        llm.close()
+    assert len({tuple(stacked), tuple(tuned), tuple(base)}) == 3  # each adapter matters
+    engine = EngineProcess(model_dir, **OPTIONS)
+    try:
+        engine.load_lora("qv", adapters / "qv")  # no event loop yet: it reads the pipe itself
+        assert engine.adapters == ["qv"]
+
+        async def main() -> None:
+            qv = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, lora="qv")
+            assert await asyncio.wait_for(_collect(engine.engine.submit(
+                PROMPTS[0], qv, request_id="a")), WAIT_S) == tuned
+            stream = engine.engine.submit(PROMPTS[0], qv, request_id="b")
+            # sent after the submission on the same pipe: the request is in flight
+            with pytest.raises(AdapterInUseError, match="1 request"):
+                await asyncio.to_thread(engine.unload_lora, "qv")
+            assert engine.adapters == ["qv"]
+            assert await asyncio.wait_for(_collect(stream), WAIT_S) == tuned
+            with pytest.raises(ConfigError, match="off the event loop"):
+                engine.set_single_lora(adapters / "dom")
+            await asyncio.to_thread(engine.set_single_lora, adapters / "dom")
+            assert await asyncio.wait_for(_collect(engine.engine.submit(
+                PROMPTS[0], qv, request_id="c")), WAIT_S) == stacked
+
+        asyncio.run(main())
+        assert engine.single_lora == str(adapters / "dom")
+        # the event loop that read the pipe is closed: the calls read it themselves again
+        with pytest.raises(WeightLoadError, match="no such directory"):
+            engine.set_single_lora(adapters / "nowhere")
+        assert engine.single_lora == str(adapters / "dom")
+        engine.set_single_lora(None)
+        engine.unload_lora("qv")
+        assert engine.adapters == [] and engine.single_lora is None
+        with pytest.raises(AdapterNotFoundError, match="'qv' is not loaded"):
+            engine.unload_lora("qv")
+
+        async def after() -> None:
+            with pytest.raises(ValueError, match="LoRA adapter 'qv' is not loaded"):
+                engine.engine.submit(PROMPTS[0], SamplingParams(lora="qv"), request_id="d")
+            assert await asyncio.wait_for(_collect(engine.engine.submit(
+                PROMPTS[0], GREEDY, request_id="e")), WAIT_S) == base
+
+        asyncio.run(after())
+    finally:
+        engine.close()
+    with pytest.raises(EngineClosedError):
+        engine.load_lora("qv", adapters / "qv")

@@ -16,6 +16,10 @@ calls ``LLM.generate`` on every rank; a submission returns once every rank made 
 any rank rejects is rejected on every rank), or rank 0 leads (:meth:`EngineCore.lead`) and the
 other ranks follow it (:meth:`EngineCore.follow`): they run rank 0's requests and steps until
 rank 0 closes (the server). An abort on any rank aborts the request on every rank.
+
+Adapter commands (:meth:`EngineCore.apply_adapters`: load or unload a LoRA adapter, set the
+single one) queue with the submissions and are agreed like them, so every rank applies a command
+at the same step, between the same two steps (see :mod:`tgraph.runtime.adapters`).
 """
 from __future__ import annotations
 
@@ -45,6 +49,7 @@ from tgraph.errors import (
     TGraphError,
 )
 from tgraph.nn import distributed
+from tgraph.runtime.adapters import AdapterCommand, AdapterManager, AdapterState, shared_error
 from tgraph.runtime.outputs import RequestOutput, StreamEvent
 from tgraph.runtime.request import FinishReason, Request
 from tgraph.runtime.runner import ModelRunner, RankFailedError, synchronize, use_device
@@ -277,7 +282,8 @@ def _abort_open(loop: _Loop, open_ids: set[str]) -> None:
 # ---- the loop -------------------------------------------------------------------------------
 @dataclass
 class _Group:
-    """Requests submitted together; under tensor parallelism, what the ranks agree on."""
+    """Requests submitted together, or one adapter command; under tensor parallelism, what the
+    ranks agree on."""
 
     requests: list[Request]
     sink: UpdateQueue | None  # None on a follower: nobody reads its events
@@ -285,19 +291,23 @@ class _Group:
     error: Exception | None = None  # this rank could not prepare it (tensor parallel only)
     decided: threading.Event = dataclasses.field(default_factory=threading.Event)
     rejection: Exception | None = None
+    command: AdapterCommand | None = None
+    adapters: AdapterState | None = None  # after the command
 
     def announcement(self, rank: int) -> dict[str, Any]:
         """What this rank tells the others: a digest (and rank 0 the requests themselves)."""
         items = [[r.request_id, r.prompt_token_ids,
                   dataclasses.asdict(r.sampling_params or SamplingParams())]
                  for r in self.requests]
-        text = json.dumps(items, sort_keys=True)
+        command = None if self.command is None else self.command.to_json()
+        text = json.dumps([items, command], sort_keys=True)
         said: dict[str, Any] = {
             "digest": hashlib.sha256(text.encode()).hexdigest(),
             "error": None if self.error is None else [type(self.error).__name__,
                                                       str(self.error)]}
         if rank == 0:
             said["items"] = items
+            said["command"] = command
         return said
 
     def reject(self, error: Exception) -> None:
@@ -321,9 +331,10 @@ class _Loop:
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, tokenizer: Any,
                  eos_token_ids: Sequence[int], device: Any, name: str,
-                 heartbeat_s: float) -> None:
+                 heartbeat_s: float, adapters: AdapterManager) -> None:
         self.scheduler = scheduler
         self.runner = runner
+        self.adapters = adapters
         self.tokenizer = tokenizer
         self.eos_token_ids = list(eos_token_ids)
         if device.type == "cuda" and device.index is None:
@@ -566,10 +577,16 @@ class _Loop:
                     for rid, prompt, params in head.get("items", [])]
         with self.lock:
             self.live.update(r.request_id for r in requests)
-        return _Group(requests, None, time.perf_counter())
+        command = head.get("command")
+        return _Group(requests, None, time.perf_counter(),
+                      command=None if command is None else AdapterCommand.from_json(command))
 
     # ---- requests ----------------------------------------------------------------------------
     def _apply(self, group: _Group) -> None:
+        if group.command is not None:
+            self._command(group)
+            return
+        loaded = self.adapters.state().loras
         for req in group.requests:
             params = req.sampling_params or SamplingParams()
             stop = None
@@ -578,11 +595,65 @@ class _Loop:
                                    req.prompt_token_ids)
             state = _State(req, group.sink, group.start, stop)
             self.states[req.request_id] = state
+            if req.lora is not None and req.lora not in loaded:
+                # unloaded between its submission and this step: it alone fails
+                self._fail(state, InvalidRequestError(
+                    f"request {req.request_id!r}: LoRA adapter {req.lora!r} was unloaded "
+                    f"before the request started; loaded: {sorted(loaded)}"), abort=False)
+                continue
             try:
                 self.scheduler.add_request(req)
             except Exception as err:  # checked at submission: only a bug gets here
                 self._fail(state, err, abort=False)
         group.decided.set()
+
+    def _command(self, group: _Group) -> None:
+        """Apply an adapter command: prepare, agree on the outcome with the other ranks, then
+        commit everywhere or undo everywhere."""
+        assert group.command is not None
+        in_use: dict[str, int] = {}
+        for state in self.states.values():
+            if state.request.lora is not None:
+                in_use[state.request.lora] = in_use.get(state.request.lora, 0) + 1
+        prepared, error = None, None
+        try:
+            prepared = self.adapters.prepare(group.command, in_use)
+        except Exception as err:
+            error = err
+        if self.world_size > 1:
+            error = self._outcome(error)
+        if error is not None:
+            if prepared is not None:
+                prepared.undo()
+            group.reject(error)
+            return
+        assert prepared is not None
+        try:
+            prepared.commit()
+        except Exception as err:  # only a replacement re-reads its files here; the loop goes on
+            logger.exception("adapter command %s failed at commit", group.command)
+            group.reject(err)
+            return
+        finally:
+            # cached blocks were hashed under the adapters' names, whose weights may differ now
+            self.scheduler.reset_prefix_cache()
+        logger.info("adapter command applied: %s", group.command)
+        group.adapters = self.adapters.state()
+        group.decided.set()
+
+    def _outcome(self, error: Exception | None) -> Exception | None:
+        """This rank's error, else the first other rank's (the same on every rank that
+        prepared), else None."""
+        said = None if error is None else [type(error).__name__, str(error)]
+        reports = [json.loads(b) for b in
+                   distributed.all_gather_bytes(json.dumps(said).encode())]
+        if error is not None:
+            return error
+        for r, report in enumerate(reports):
+            if report is not None:
+                kind, message = report
+                return shared_error(kind, f"rank {r}: {message}")
+        return None
 
     def _retire(self, state: _State) -> None:
         rid = state.request.request_id
@@ -700,17 +771,22 @@ class EngineCore:
         eos_token_ids: end-of-sequence ids of every request.
         name: the loop thread's name.
         heartbeat_s: how often an idle leading rank 0 syncs with its followers.
+        adapters: the model's LoRA adapters, as loaded before the engine (a new
+            :class:`AdapterManager` of ``model`` if None).
     """
 
     _names = itertools.count()
 
     def __init__(self, model: Any, scheduler: Scheduler, *, runner: ModelRunner | None = None,
                  tokenizer: Any = None, eos_token_ids: Sequence[int] = (),
-                 name: str | None = None, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 name: str | None = None, heartbeat_s: float = HEARTBEAT_S,
+                 adapters: AdapterManager | None = None) -> None:
         self.model = model
         runner = runner if runner is not None else ModelRunner(model)
+        self._adapters = adapters if adapters is not None else AdapterManager(model)
         self._loop = _Loop(scheduler, runner, tokenizer, eos_token_ids, model.llm_config.device,
-                           name or f"tgraph-engine-{next(self._names)}", heartbeat_s)
+                           name or f"tgraph-engine-{next(self._names)}", heartbeat_s,
+                           self._adapters)
         self._spmd = threading.Lock()  # SPMD submissions wait for agreement one at a time
         # Stops the thread when the engine is dropped (the thread holds only the loop).
         self._finalizer = weakref.finalize(self, self._loop.stop, 30.0)
@@ -908,10 +984,11 @@ class EngineCore:
             if multi is None:
                 raise ConfigError(f"request {rid!r} names LoRA adapter {params.lora!r}, but "
                                   f"{type(self.model).__name__} has no multi-LoRA feature")
-            if params.lora not in multi.slots:
+            adapters = self._adapters.state()
+            if params.lora not in adapters.loras:
                 raise InvalidRequestError(
                     f"request {rid!r}: SamplingParams.lora: LoRA adapter {params.lora!r} is "
-                    f"not loaded; expected one of {sorted(multi.slots)}")
+                    f"not loaded; expected one of {adapters.names}")
         if (params.logit_bias is not None or params.allowed_token_ids is not None
                 or params.allowed_token_ids_fn is not None):
             self._check_logit_bias(rid, params)
@@ -969,6 +1046,51 @@ class EngineCore:
         future: Future = Future()
         self._loop.post("call", (fn, future))
         return future.result(timeout)
+
+    @property
+    def adapter_state(self) -> AdapterState:
+        """The LoRA adapters served now (as of the last adapter command)."""
+        return self._adapters.state()
+
+    def apply_adapters(self, command: AdapterCommand) -> AdapterState:
+        """Apply an adapter command between two steps and return the adapters afterwards.
+
+        The command queues behind the requests submitted before it (an unload sees them in
+        flight). Under tensor parallelism it is agreed like a submission: every rank makes the
+        same call (SPMD), or rank 0 leads and its followers apply its commands; every rank
+        applies it at the same step, and a failure on any rank leaves every rank unchanged.
+
+        Raises:
+            InvalidRequestError, ConfigError, WeightLoadError, AdapterNotFoundError,
+                AdapterInUseError: see :meth:`AdapterManager.prepare
+                <tgraph.runtime.adapters.AdapterManager.prepare>`; nothing changed.
+            ConfigError: on a following rank (rank 0 gives the commands).
+            EngineClosedError: the engine is closed.
+        """
+        loop = self._loop
+        if loop.following:
+            raise ConfigError("this engine follows rank 0; adapter commands are given on rank 0")
+        agreeing = self._agreeing()
+        group = _Group([], None, time.perf_counter(), command=command)
+        try:
+            command.check()
+        except Exception as err:
+            if not agreeing:
+                raise
+            group.error = err  # the other ranks' matching command fails too
+        if threading.current_thread() is loop.thread:  # e.g. from a call(): apply it now
+            if loop.world_size > 1:
+                raise ConfigError("adapter commands cannot be given from the engine's thread "
+                                  "under tensor parallelism (the ranks must agree on them)")
+            loop._command(group)
+        else:
+            with self._spmd if agreeing else contextlib.nullcontext():
+                loop.post("group", group)
+                group.decided.wait()
+        if group.rejection is not None:
+            raise group.rejection
+        assert group.adapters is not None
+        return group.adapters
 
     def lead(self) -> None:
         """On rank 0 of a tensor-parallel group whose other ranks :meth:`follow`: start the loop

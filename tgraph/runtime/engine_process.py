@@ -8,23 +8,29 @@ requests come up as one message, with the engine's stats. The parent holds the t
 the limits, so it refuses bad requests itself, at once, with the engine's own errors.
 
 It offers what :func:`tgraph.serve.build_app` uses of an ``LLM``: ``engine`` (``submit``,
-``abort``, ``stats``), ``tokenizer``, ``encode``, ``adapters``, ``rank`` and ``close``. Its
-streams are read with ``async for`` on one asyncio event loop, the one that first submits.
+``abort``, ``stats``, ``adapter_state``), ``tokenizer``, ``encode``, ``adapters``, ``load_lora``,
+``unload_lora``, ``set_single_lora``, ``rank`` and ``close``. Its streams are read with
+``async for`` on one asyncio event loop, the one that first submits; the adapter calls block
+until the child applied them (between two steps), so an asyncio caller runs them in a worker
+thread (``asyncio.to_thread``).
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import multiprocessing
 import pickle
 import signal
 import threading
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tgraph.errors import ConfigError, InvalidRequestError
+from tgraph.runtime.adapters import AdapterCommand, AdapterState
 from tgraph.runtime.engine_core import (
     EngineClosedError,
     EngineStats,
@@ -42,6 +48,7 @@ __all__ = ["EngineProcess"]
 logger = logging.getLogger("tgraph.runtime")
 
 _STOP = "stop"  # ends the child's forwarding thread
+_POLL_S = 0.05  # how long an adapter call without an event loop reads the pipe at a time
 
 
 @dataclass(frozen=True)
@@ -50,7 +57,7 @@ class _Ready:
 
     tokenizer: Any
     eos_token_ids: list[int]
-    adapters: list[str]
+    adapters: AdapterState
     max_model_len: int
     num_blocks: int
     block_size: int
@@ -93,8 +100,32 @@ class EngineProcess:
             raise payload
         ready: _Ready = payload
         self.tokenizer = ready.tokenizer
-        self.adapters = list(ready.adapters)
         self.engine = _RemoteEngine(self._conn, ready, self._process)
+
+    @property
+    def adapters(self) -> list[str]:
+        """The per-request LoRA adapters loaded, sorted (as :attr:`LLM.adapters
+        <tgraph.runtime.llm.LLM.adapters>`)."""
+        return self.engine.adapter_state.names
+
+    @property
+    def single_lora(self) -> str | None:
+        """The directory of the adapter applied to every request (None: none)."""
+        return self.engine.adapter_state.single_lora
+
+    def load_lora(self, name: str, path: str | Path, *, replace: bool = True) -> None:
+        """As :meth:`LLM.load_lora <tgraph.runtime.llm.LLM.load_lora>`, in the child; returns
+        once it applied it (call it off the event loop that reads the streams)."""
+        self.engine.apply_adapters(AdapterCommand.load(name, path, replace))
+
+    def unload_lora(self, name: str) -> None:
+        """As :meth:`LLM.unload_lora <tgraph.runtime.llm.LLM.unload_lora>`, in the child."""
+        self.engine.apply_adapters(AdapterCommand.unload(name))
+
+    def set_single_lora(self, path: str | Path | None) -> None:
+        """As :meth:`LLM.set_single_lora <tgraph.runtime.llm.LLM.set_single_lora>`, in the
+        child."""
+        self.engine.apply_adapters(AdapterCommand.single(path))
 
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
         """Token ids of a prompt, as :meth:`LLM.encode <tgraph.runtime.llm.LLM.encode>`."""
@@ -124,8 +155,12 @@ class _RemoteEngine:
         self._stats = ready.stats
         self._sinks: dict[str, UpdateQueue] = {}
         self._send_lock = threading.Lock()
+        self._recv_lock = threading.Lock()  # the event loop's reader, or an adapter call's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
+        self._adapters = ready.adapters
+        self._replies: dict[int, Future] = {}  # adapter commands sent, by token
+        self._tokens = itertools.count()
 
     @property
     def closed(self) -> bool:
@@ -152,9 +187,9 @@ class _RemoteEngine:
         request = Request.from_sampling_params(request_id, list(prompt_token_ids), params,
                                                r.eos_token_ids)
         check_fits(request, r.max_model_len, r.num_blocks, r.block_size)
-        if params.lora is not None and params.lora not in r.adapters:
+        if params.lora is not None and params.lora not in self._adapters.loras:
             raise ValueError(f"request {request_id!r}: LoRA adapter {params.lora!r} is not "
-                             f"loaded; loaded: {sorted(r.adapters)}")
+                             f"loaded; loaded: {self._adapters.names}")
         named = [t for t in params.token_ids_named() if t >= r.vocab_size]
         if named:
             raise InvalidRequestError(
@@ -181,6 +216,60 @@ class _RemoteEngine:
         """The engine's stats as of its last reported step (any thread may ask)."""
         return self._stats
 
+    @property
+    def adapter_state(self) -> AdapterState:
+        """The LoRA adapters served, as of the last adapter command."""
+        return self._adapters
+
+    def apply_adapters(self, command: AdapterCommand) -> AdapterState:
+        """Have the child apply ``command`` (see :meth:`EngineCore.apply_adapters
+        <tgraph.runtime.engine_core.EngineCore.apply_adapters>`) and wait for it. From any
+        thread but the event loop's that reads the streams.
+
+        An adapter being unloaded is refused to new submissions at once (and served again if
+        the child refuses to unload it).
+        """
+        if self.closed:
+            raise EngineClosedError("the engine is closed (or its process is gone)")
+        command.check()
+        if self._loop is not None and _running_loop() is self._loop:
+            raise ConfigError("adapter calls on an engine in another process wait for the "
+                              "child; run them off the event loop (asyncio.to_thread)")
+        future: Future = Future()
+        token = next(self._tokens)
+        self._replies[token] = future
+        hidden = None  # (name, path) of the adapter being unloaded
+        if command.kind == "unload" and command.name in self._adapters.loras:
+            hidden = (command.name, self._adapters.loras[command.name])
+            self._adapters = _with(self._adapters, drop=command.name)
+        try:
+            self._send(("adapter", token, command))
+            while not future.done() and self._unread() and not self._closed:
+                self._read_here()
+            return future.result()
+        except BaseException:
+            if hidden is not None and not self._closed:
+                self._adapters = _with(self._adapters, add=hidden)
+            raise
+        finally:
+            self._replies.pop(token, None)
+
+    def _unread(self) -> bool:
+        """Whether no event loop reads the pipe (none attached, or its loop has closed)."""
+        return self._loop is None or self._loop.is_closed()
+
+    def _read_here(self) -> None:
+        """Read the pipe in this thread for a moment (while no event loop reads it)."""
+        with self._recv_lock:
+            if not self._unread():
+                return
+            self._loop = None  # a closed loop reads nothing; the next submission attaches anew
+            try:
+                if self._conn.poll(_POLL_S):
+                    self._dispatch(self._conn.recv())
+            except (EOFError, OSError):
+                self._lost()
+
     # ---- the pipe ------------------------------------------------------------------------------
     def _send(self, message: tuple) -> None:
         try:
@@ -191,8 +280,9 @@ class _RemoteEngine:
             raise EngineClosedError("the engine process is gone") from None
 
     def _attach(self) -> None:
-        """Read the pipe from the running event loop (the first one that asks)."""
-        if self._loop is not None or self.closed:
+        """Read the pipe from the running event loop (the first one that asks, or the next
+        once that one has closed)."""
+        if (self._loop is not None and not self._loop.is_closed()) or self.closed:
             return
         try:
             loop = asyncio.get_running_loop()
@@ -204,8 +294,9 @@ class _RemoteEngine:
 
     def _read(self) -> None:
         try:
-            while self._conn.poll():
-                self._dispatch(self._conn.recv())
+            with self._recv_lock:
+                while self._conn.poll():
+                    self._dispatch(self._conn.recv())
         except (EOFError, OSError):
             self._lost()
 
@@ -220,6 +311,16 @@ class _RemoteEngine:
                 if isinstance(item, RequestFailure) or item.finish_reason is not None:
                     del self._sinks[item.request_id]
                 sink.put(item)
+        elif kind == "adapter":
+            _, token, state, error = message
+            if error is None:
+                self._adapters = state
+            future = self._replies.get(token)
+            if future is not None and not future.done():
+                if error is None:
+                    future.set_result(state)
+                else:
+                    future.set_exception(error)
         elif kind == "closed":
             self._lost("the engine was closed before the request finished")
 
@@ -239,6 +340,9 @@ class _RemoteEngine:
         sinks, self._sinks = self._sinks, {}
         for rid, sink in sinks.items():
             sink.put(RequestFailure(rid, EngineClosedError(why)))
+        for future in list(self._replies.values()):
+            if not future.done():
+                future.set_exception(EngineClosedError(why))
 
     def _shut(self, timeout: float) -> None:
         """Ask the child to close and read what it still sends until it has."""
@@ -273,7 +377,7 @@ def _child_main(conn: Any, model_dir: str, config: Any, options: dict[str, Any])
     engine = llm.engine
     scheduler = engine.scheduler
     allocator = scheduler.allocator
-    conn.send(("ready", _Ready(llm.tokenizer, list(llm.eos_token_ids), llm.adapters,
+    conn.send(("ready", _Ready(llm.tokenizer, list(llm.eos_token_ids), engine.adapter_state,
                                scheduler.max_model_len, allocator.num_blocks,
                                allocator.block_size, engine.stats(),
                                llm.model.config.vocab_size)))
@@ -296,6 +400,10 @@ def _child_main(conn: Any, model_dir: str, config: Any, options: dict[str, Any])
                 sink.put(RequestFailure(rid, _portable(err)))
         elif kind == "abort":
             engine.abort(message[1])
+        elif kind == "adapter":
+            # applied between two steps: waited for off this thread, which keeps reading
+            threading.Thread(target=_adapt, args=(conn, engine, send_lock, *message[1:]),
+                             name="tgraph-engine-adapter", daemon=True).start()
         elif kind == "close":
             break
     llm.close()  # fails what is still in flight, into the sink
@@ -328,6 +436,36 @@ def _forward(conn: Any, sink: UpdateQueue, engine: Any, send_lock: threading.Loc
             return
         if stop:
             return
+
+
+def _adapt(conn: Any, engine: Any, send_lock: threading.Lock, token: int,
+           command: AdapterCommand) -> None:
+    """Apply one adapter command and send the outcome back."""
+    try:
+        reply = ("adapter", token, engine.apply_adapters(command), None)
+    except Exception as err:
+        reply = ("adapter", token, None, _portable(err))
+    try:
+        with send_lock:
+            conn.send(reply)
+    except (OSError, EOFError):  # the parent is gone, or the engine closed meanwhile
+        pass
+
+
+def _with(state: AdapterState, drop: str | None = None,
+          add: tuple[str, str] | None = None) -> AdapterState:
+    """``state`` without adapter ``drop`` / with ``add`` (name, path)."""
+    loras = {n: p for n, p in state.loras.items() if n != drop}
+    if add is not None:
+        loras[add[0]] = add[1]
+    return AdapterState(loras, state.single_lora)
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 def _portable(err: BaseException) -> BaseException:

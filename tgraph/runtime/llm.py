@@ -42,6 +42,7 @@ from tgraph.errors import (
 from tgraph.io.checkpoint import check_model_path
 from tgraph.models.loading import check_max_model_len, load_model
 from tgraph.nn import distributed
+from tgraph.runtime.adapters import AdapterCommand, AdapterManager
 from tgraph.runtime.block_manager import BlockAllocator
 from tgraph.runtime.engine_core import BatchStream, EngineCore, EngineStats
 from tgraph.runtime.kv_cache import bytes_per_block, plan_num_blocks
@@ -167,9 +168,9 @@ class LLM:
         # Adapters first: loading the first one re-lays the target weights out with room for
         # the adapters' B columns, which the KV-cache sizing below must see, and which would
         # otherwise drop the decode graphs captured below.
+        self._adapters = AdapterManager(self.model)
         for name, path in (loras or {}).items():
             self.load_lora(name, path)
-        self._single_lora: str | None = None
         if single_lora is not None:
             self.set_single_lora(single_lora)
         c = self.model.llm_config
@@ -198,7 +199,8 @@ class LLM:
                               prefix_caching=llm.cache.prefix_caching)
         self.eos_token_ids = _eos_ids(self.model.config, self.tokenizer)
         self.engine = EngineCore(self.model, scheduler, runner=ModelRunner(self.model),
-                                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids)
+                                 tokenizer=self.tokenizer, eos_token_ids=self.eos_token_ids,
+                                 adapters=self._adapters)
         # NOTE: the engine's thread holds neither the LLM nor the engine, so dropping the last
         # reference to the LLM runs this at once: it stops the thread and frees the memory.
         self._finalizer = weakref.finalize(self, _release, self.engine, self.model)
@@ -248,60 +250,58 @@ class LLM:
         """The engine's gauges and counters (see :class:`EngineStats`)."""
         return self.engine.stats()
 
-    def load_lora(self, name: str, path: str | Path) -> None:
-        """Load a PEFT adapter for requests that name it (multi-LoRA: mixed in one batch)."""
-        features = getattr(self.model, "features", {})
-        if "multi_lora" not in features:
-            raise ConfigError(f"{type(self.model).__name__} has no multi-LoRA feature")
-        self._on_engine(lambda: features["multi_lora"].load(name, path))
+    def load_lora(self, name: str, path: str | Path, *, replace: bool = True) -> None:
+        """Load the PEFT adapter at ``path`` for requests that name it (multi-LoRA: mixed in one
+        batch), from the next step on; no engine is built.
+
+        Args:
+            name: the adapter's name (``SamplingParams(lora=name)``).
+            path: the adapter directory (``adapter_config.json``, ``adapter_model.safetensors``).
+            replace: an adapter already loaded under ``name`` is replaced (else refused); never
+                while requests in flight use it.
+
+        Raises:
+            WeightLoadError / ConfigError: a bad directory or adapter file, a rank above the
+                feature's ``max_rank``, every ``max_loras`` slot taken; nothing changed.
+            AdapterInUseError: replacing an adapter that requests in flight use.
+
+        Under tensor parallelism every rank makes the same call (see the module doc), or rank
+        0 alone while the others follow it; every rank loads it at the same step.
+        """
+        self._adapter_command(AdapterCommand.load(name, path, replace))
 
     def unload_lora(self, name: str) -> None:
-        """Unload an adapter (requests still naming it fail)."""
-        self._on_engine(lambda: self.model.features["multi_lora"].unload(name))
+        """Unload a per-request adapter, from the next step on.
+
+        Raises:
+            AdapterNotFoundError: no adapter of that name is loaded.
+            AdapterInUseError: requests in flight use it (retry once they finish, or abort
+                them); nothing changed.
+        """
+        self._adapter_command(AdapterCommand.unload(name))
 
     def set_single_lora(self, path: str | Path | None) -> None:
-        """Apply the PEFT adapter at ``path`` to every request from the next step on, stacked
-        with the adapter a request names (``None``: no such adapter). The previous one is
-        unloaded; no engine is built or rebuilt for a switch. An adapter that cannot load
-        raises and leaves the previous one in place.
+        """Apply the PEFT adapter at ``path`` to every request from the next step on (requests
+        in flight included), stacked with the adapter a request names (``None``: no such
+        adapter). The previous one is unloaded; no engine is built or rebuilt for a switch. An
+        adapter that cannot load raises and leaves the previous one in place.
 
         Under tensor parallelism every rank makes the same call (see the module doc).
         """
-        features = getattr(self.model, "features", {})
-        if "single_lora" not in features:
-            raise ConfigError(f"{type(self.model).__name__} has no single-LoRA feature")
-        single = features["single_lora"]
-        name = None if path is None else str(path)
-
-        def change() -> None:
-            if name is not None:
-                single.load(name, path)
-            single.activate(name)
-            for old in [n for n in single.adapters if n != name]:
-                single.unload(old)
-            self._single_lora = name
-
-        self._on_engine(change)
+        self._adapter_command(AdapterCommand.single(path))
 
     @property
     def single_lora(self) -> str | None:
         """The directory of the adapter applied to every request (:meth:`set_single_lora`)."""
-        return self._single_lora
+        return self._adapters.state().single_lora
 
-    def _on_engine(self, change) -> None:
-        """Change the model between two steps of the engine (directly before it exists); an
-        adapter's blocks in the prefix cache are stale afterwards."""
+    def _adapter_command(self, command: AdapterCommand) -> None:
+        """Apply ``command`` between two steps of the engine (directly before it exists)."""
         engine = getattr(self, "engine", None)
         if engine is None:
-            change()
-            return
-        scheduler = engine.scheduler
-
-        def run() -> None:
-            change()
-            scheduler.reset_prefix_cache()
-
-        engine.call(run)
+            self._adapters.apply(command)
+        else:
+            engine.apply_adapters(command)
 
     # ---- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: str | Sequence[int], chat: bool = False) -> list[int]:
@@ -311,8 +311,7 @@ class LLM:
     @property
     def adapters(self) -> list[str]:
         """The LoRA adapters loaded for per-request use (:meth:`load_lora`), sorted."""
-        multi = getattr(self.model, "features", {}).get("multi_lora")
-        return sorted(multi.slots) if multi is not None else []
+        return self._adapters.state().names
 
     # ---- generation ------------------------------------------------------------------------------
     def stream(self, prompts: Prompts, params: SamplingParams | Sequence[SamplingParams] | None

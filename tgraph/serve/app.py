@@ -4,6 +4,13 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (server-sent 
 ``stream``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``. Handlers only submit requests
 to the engine core and read their own streams; the engine's loop thread runs the model. A client
 that disconnects has its requests aborted, which frees their KV blocks at the next step.
+
+With ``ServerConfig.allow_runtime_lora`` (``--allow-runtime-lora``), as vLLM's dynamic LoRA API:
+``POST /v1/load_lora_adapter {"lora_name", "lora_path"}`` serves an adapter as a model,
+``POST /v1/unload_lora_adapter {"lora_name"}`` stops serving it (409 while requests in flight use
+it), ``POST /v1/set_single_lora {"lora_path": str | null}`` sets or clears the adapter applied to
+every request. The engine applies each between two steps without building an engine. Off, they
+answer 404; they need the API key when one is set.
 """
 from __future__ import annotations
 
@@ -18,14 +25,20 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
 
-from tgraph.errors import ConfigError, RequestTooLongError
+from tgraph.errors import ConfigError, InvalidRequestError, RequestTooLongError, WeightLoadError
+from tgraph.runtime.adapters import AdapterInUseError, AdapterNotFoundError
+from tgraph.runtime.engine_core import EngineClosedError
 from tgraph.runtime.outputs import merge_events
 from tgraph.serve.metrics import ServerMetrics
 from tgraph.serve.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    LoadLoraRequest,
+    SingleLoraRequest,
+    UnloadLoraRequest,
     sampling_params,
 )
 
@@ -47,6 +60,8 @@ class ServerConfig:
         gil_switch_interval_s: :func:`sys.setswitchinterval` while :func:`~tgraph.serve.serve`
             runs: how long the HTTP thread may keep the interpreter once the engine thread,
             back from waiting on the GPU, wants it (None: Python's 5 ms).
+        allow_runtime_lora: serve the endpoints that load and unload LoRA adapters and set
+            the single one (off: they answer 404).
     """
 
     served_model_name: str
@@ -54,6 +69,7 @@ class ServerConfig:
     max_waiting: int | None = None
     default_max_tokens: int = 256
     gil_switch_interval_s: float | None = None
+    allow_runtime_lora: bool = False
 
     def __post_init__(self) -> None:
         if self.gil_switch_interval_s is not None and not self.gil_switch_interval_s > 0:
@@ -147,11 +163,48 @@ def build_app(llm: Any, config: ServerConfig) -> FastAPI:
     async def models(request: Request) -> dict[str, Any]:
         authorize(request)
         now = int(time.time())
-        names = [config.served_model_name, *_adapters(llm)]
+        base = config.served_model_name
+        paths = engine.adapter_state.loras
         return {"object": "list", "data": [
-            {"id": n, "object": "model", "created": now, "owned_by": "tgraph",
-             "root": config.served_model_name, "parent": None if i == 0 else
-             config.served_model_name} for i, n in enumerate(names)]}
+            {"id": base, "object": "model", "created": now, "owned_by": "tgraph",
+             "root": base, "parent": None},
+            *({"id": n, "object": "model", "created": now, "owned_by": "tgraph",
+               "root": paths.get(n) or base, "parent": base} for n in _adapters(llm))]}
+
+    # ---- runtime LoRA adapters -----------------------------------------------------------------
+    def runtime_lora(request: Request) -> None:
+        authorize(request)
+        if not config.allow_runtime_lora:
+            raise APIError(404, "runtime LoRA adapter updates are off; start the server with "
+                                "--allow-runtime-lora", code="runtime_lora_disabled")
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> dict[str, Any]:
+        runtime_lora(request)
+        body = _parse(LoadLoraRequest, await request.body())
+        if body.lora_name == config.served_model_name:
+            raise APIError(400, f"lora_name {body.lora_name!r} is the served model's name; "
+                                "pick another", "lora_name")
+        await _adapter_call(llm.load_lora, body.lora_name, body.lora_path,
+                            replace=body.load_inplace)
+        return {"object": "lora_adapter", "lora_name": body.lora_name,
+                "lora_path": body.lora_path, "status": "loaded", "loaded": _adapters(llm)}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> dict[str, Any]:
+        runtime_lora(request)
+        body = _parse(UnloadLoraRequest, await request.body())
+        await _adapter_call(llm.unload_lora, body.lora_name)
+        return {"object": "lora_adapter", "lora_name": body.lora_name, "status": "unloaded",
+                "loaded": _adapters(llm)}
+
+    @app.post("/v1/set_single_lora")
+    async def set_single_lora(request: Request) -> dict[str, Any]:
+        runtime_lora(request)
+        body = _parse(SingleLoraRequest, await request.body())
+        await _adapter_call(llm.set_single_lora, body.lora_path)
+        return {"object": "single_lora", "lora_path": body.lora_path,
+                "status": "cleared" if body.lora_path is None else "set"}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
@@ -214,6 +267,39 @@ def build_app(llm: Any, config: ServerConfig) -> FastAPI:
 def _adapters(llm: Any) -> list[str]:
     """The LoRA adapters loaded for per-request use (each is a model name)."""
     return list(llm.adapters)
+
+
+def _parse(model: type[BaseModel], raw: bytes) -> Any:
+    """A JSON body checked by ``model`` (read after the key and the flag are checked)."""
+    try:
+        return model.model_validate_json(raw or b"{}")
+    except ValidationError as err:
+        first = err.errors()[0]
+        param = ".".join(str(p) for p in first.get("loc", ())) or None
+        message = first.get("msg", "invalid value")
+        raise APIError(400, f"{param}: {message}" if param else message, param) from None
+
+
+async def _adapter_call(fn: Any, *args: Any, **kwargs: Any) -> None:
+    """Run an adapter call of the model off the event loop (it waits for the engine's next
+    step boundary), its errors answered in OpenAI's shape."""
+    try:
+        await asyncio.to_thread(fn, *args, **kwargs)
+    except AdapterNotFoundError as err:
+        raise APIError(404, str(err), "lora_name", code="lora_not_found") from None
+    except AdapterInUseError as err:
+        raise APIError(409, str(err), "lora_name", code="lora_in_use") from None
+    except EngineClosedError as err:
+        raise APIError(503, str(err), kind="server_error", code="engine_closed") from None
+    except WeightLoadError as err:  # no such directory, a missing or malformed file
+        raise APIError(400, str(err), "lora_path") from None
+    except InvalidRequestError as err:  # e.g. the name is taken
+        raise APIError(400, str(err), "lora_name") from None
+    except (ValueError, TypeError) as err:  # the bank is full, a rank above max_rank...
+        raise APIError(400, str(err)) from None
+    except Exception as err:
+        raise APIError(500, f"the adapter call failed: {type(err).__name__}: {err}",
+                       kind="server_error") from None
 
 
 def _encode(llm: Any, prompt: str | list[int], where: str) -> list[int]:

@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tgraph.runtime.sampling_params import SamplingParams
 
 __all__ = ["APIError", "ChatCompletionRequest", "ChatMessage", "CompletionRequest",
-           "sampling_params"]
+           "LoadLoraRequest", "SingleLoraRequest", "UnloadLoraRequest", "sampling_params"]
 
 
 class APIError(Exception):
@@ -126,3 +126,32 @@ def sampling_params(request: _Request, lora: str | None, default_max_tokens: int
         message = str(err)
         field = message.split(" ", 1)[0].removeprefix("SamplingParams.").split("[", 1)[0]
         raise APIError(400, message, field) from None
+
+
+# ---- runtime LoRA adapters (as vLLM's dynamic LoRA API) ------------------------------------------
+class LoadLoraRequest(BaseModel):
+    """``POST /v1/load_lora_adapter``: serve the PEFT adapter at ``lora_path`` as model
+    ``lora_name``; ``load_inplace`` replaces an adapter of that name (else it is refused)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoraRequest(BaseModel):
+    """``POST /v1/unload_lora_adapter``: stop serving adapter ``lora_name``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_name: str = Field(min_length=1)
+
+
+class SingleLoraRequest(BaseModel):
+    """``POST /v1/set_single_lora``: apply the adapter at ``lora_path`` to every request
+    (``null``: none)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    lora_path: str | None = Field(min_length=1)
