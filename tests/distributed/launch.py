@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,3 +95,26 @@ def finish(job: Running, timeout: float) -> Launch:
 def run_torchrun(target: list[str], timeout: float, nproc: int = 2, **env: str) -> Launch:
     """Run a torchrun job to the end (:func:`start_torchrun`, then :func:`finish`)."""
     return finish(start_torchrun(target, nproc, **env), timeout)
+
+
+def server_url(job: Running, timeout: float) -> str:
+    """The URL a ``tgraph serve`` job prints ("tgraph: serving on URL"), read from its stdout by
+    a thread that keeps draining it; on timeout or exit the job is killed and the test fails with
+    its output. Afterwards the job's stdout belongs to that thread (``finish`` skips it)."""
+    url: list[str] = []
+    lines: list[str] = []
+
+    def read() -> None:
+        for line in job.proc.stdout:
+            lines.append(line)
+            if line.startswith("tgraph: serving on "):
+                url.append(line.split()[-1])
+
+    threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not url and time.monotonic() < deadline and job.proc.poll() is None:
+        time.sleep(0.1)
+    if not url:
+        os.killpg(job.proc.pid, signal.SIGKILL)
+        pytest.fail("the server did not start:\n" + "".join(lines) + job.proc.stderr.read())
+    return url[0]

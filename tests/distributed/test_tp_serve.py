@@ -7,14 +7,10 @@ import json
 import os
 import signal
 import subprocess
-import threading
-import time
 import urllib.request
 from pathlib import Path
 
-import pytest
-
-from tests.distributed.launch import finish, start_torchrun
+from tests.distributed.launch import finish, server_url, start_torchrun
 from tests.distributed.llm_worker import LLM_OPTIONS, MAX_TOKENS, PROMPT_LISTS
 
 START_TIMEOUT_S = 120.0
@@ -54,25 +50,9 @@ def test_rank0_serves_and_rank1_follows(tp_ids_model_dir: Path) -> None:
     job = start_torchrun(["-m", "tgraph", "serve", "--model", str(tp_ids_model_dir),
                           "--port", "0", "--served-model-name", "tp", "--log-level", "warning",
                           *SETTINGS])
-    url: list[str] = []
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in job.proc.stdout:
-            lines.append(line)
-            if line.startswith("tgraph: serving on "):
-                url.append(line.split()[-1])
-
-    reader = threading.Thread(target=read, daemon=True)
-    reader.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not url and time.monotonic() < deadline and job.proc.poll() is None:
-        time.sleep(0.1)
-    if not url:
-        os.killpg(job.proc.pid, signal.SIGKILL)
-        pytest.fail("the server did not start:\n" + "".join(lines) + job.proc.stderr.read())
-    got = [_post(url[0], {"model": "tp", "prompt": p, "max_tokens": MAX_TOKENS,
-                          "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+    url = server_url(job, START_TIMEOUT_S)
+    got = [_post(url, {"model": "tp", "prompt": p, "max_tokens": MAX_TOKENS,
+                       "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
            for p in PROMPT_LISTS]
     assert [g["choices"][0]["token_ids"] for g in got] == expected
     os.kill(_rank0_pid(job.proc.pid), signal.SIGTERM)

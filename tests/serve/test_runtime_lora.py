@@ -407,7 +407,7 @@ def test_runtime_lora_under_tensor_parallelism(setup, oracle) -> None:
     """``tgraph serve --allow-runtime-lora`` under torchrun: rank 0 takes the commands and rank 1
     applies them at the same step; the tokens equal one process's, a failed load leaves both
     ranks serving, and SIGTERM still ends every process with 0."""
-    from tests.distributed.launch import finish, start_torchrun
+    from tests.distributed.launch import finish, server_url, start_torchrun
     from tests.distributed.test_tp_serve import _rank0_pid
 
     model_dir, root = setup
@@ -417,23 +417,8 @@ def test_runtime_lora_under_tensor_parallelism(setup, oracle) -> None:
     job = start_torchrun(["-m", "tgraph", "serve", "--model", str(model_dir), "--port", "0",
                           "--served-model-name", MODEL, "--api-key", KEY, "--log-level",
                           "warning", "--allow-runtime-lora", *settings])
-    url: list[str] = []
-    lines: list[str] = []
-
-    def read() -> None:
-        for line in job.proc.stdout:
-            lines.append(line)
-            if line.startswith("tgraph: serving on "):
-                url.append(line.split()[-1])
-
-    threading.Thread(target=read, daemon=True).start()
-    deadline = time.monotonic() + 180.0
-    while not url and time.monotonic() < deadline and job.proc.poll() is None:
-        time.sleep(0.1)
-    if not url:
-        os.killpg(job.proc.pid, signal.SIGKILL)
-        pytest.fail("the server did not start:\n" + "".join(lines) + job.proc.stderr.read())
-    client = Client(url[0])
+    url = server_url(job, 180.0)
+    client = Client(url)
     try:
         client.ok("/v1/load_lora_adapter", {"lora_name": "qv", "lora_path": str(root / "qv")})
         assert client.tokens("qv") == oracle[(None, "qv")]
