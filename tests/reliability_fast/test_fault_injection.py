@@ -50,13 +50,29 @@ class Fault:
     def wrap(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         name = getattr(fn, "__name__", None) or getattr(fn, "func", fn).__name__  # a partial
 
-        @functools.wraps(fn)
-        def faulty(*args: Any, **kwargs: Any) -> Any:
+        def count() -> None:
             self.calls += 1
             if self.calls == self.at:
                 raise InjectedFault(f"injected fault in {name} at call {self.at}")
+
+        @functools.wraps(fn)
+        def faulty(*args: Any, **kwargs: Any) -> Any:
+            count()
             return fn(*args, **kwargs)
 
+        bind = getattr(fn, "bind", None)
+        if bind is not None:
+            # The CPU engine's step programs bind a kernel once and call its thunk per step.
+            def faulty_bind(*args: Any, **kwargs: Any) -> Callable[[], Any]:
+                thunk = bind(*args, **kwargs)
+
+                def run() -> Any:
+                    count()
+                    return thunk()
+
+                return run
+
+            faulty.bind = faulty_bind
         return faulty
 
 
