@@ -37,7 +37,11 @@ def test_serve_bench_smoke(tmp_path: Path) -> None:
         ("offline", False), ("saturation", False), ("poisson", False)]
     for r in runs:
         assert r.errors == 0 and r.output_tokens == 4 * 3 and r.throughput > 0, r
-    for r in runs[1:3] + runs[4:]:
-        assert 0 < r.ttft_ms["p50"] <= r.ttft_ms["p99"] and r.itl_ms["p50"] > 0, r
+    streamed = runs[1:3] + runs[4:]
+    for r in streamed:
+        # A gap may be 0: tokens the engine wrote while the client was busy arrive in one chunk.
+        assert 0 < r.ttft_ms["p50"] <= r.ttft_ms["p99"], r
+        assert 0 <= r.itl_ms["p50"] <= r.itl_ms["p99"], r
+    assert any(r.itl_ms["p99"] > 0 for r in streamed), "no inter-token gap was measured"
     data = json.loads(out.read_text())
     assert len(data["runs"]) == 6 and data["max_tokens"] == 3
