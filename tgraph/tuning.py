@@ -89,14 +89,14 @@ class QuantGemvTuning(_Section):
                              "in one scale block")
     num_warps: int = knob(4, "warps per program")
     num_stages: int = knob(4, "software-pipeline depth of the code loads")
-    programs_per_sm: int = knob(4, "split K until the grid has this many programs per SM "
-                                   "(4: Llama-3-8B steps 3-9% faster than 2, 6 and 8 at 16 and "
-                                   "64 rows for int4 / int8 / fp8)")
+    programs_per_sm: int = knob(4, "split K until the grid has this many programs per SM (the "
+                                   "whole-step sweep's best at 16 and 64 rows for every scheme)")
     m1_fma: bool = knob(True, "one row runs on CUDA cores (the tile dequantized in registers), "
                               "as the bf16 GEMV of one row does, not padded to 16 for MMA")
     m1_block_n: int = knob(8, "one row: weight rows per program")
-    m1_int8_block_n: int = knob(4, "one row of int8 codes: weight rows per program (an 8% "
-                                   "faster Llama-3-8B step than 8; fp8 and int4 keep 8)")
+    m1_int8_block_n: int = knob(4, "one row of int8 codes: weight rows per program (the "
+                                   "whole-step sweep's best for int8; fp8 and int4 keep "
+                                   "m1_block_n)")
     m1_block_k: int = knob(1024, "one row: K per step, whole scale groups")
     m1_num_warps: int = knob(4, "one row: warps per program")
     m1_num_stages: int = knob(3, "one row: pipeline depth")
@@ -257,8 +257,7 @@ class CpuTuning(_Section):
     slice_cols: int = knob(768, "the width of those column slices")
     step_programs: bool = knob(
         True, "a signature called again runs as its steps bound once (tgraph.engine.program): "
-              "no per-step views, checks or argument lists, ~7 ms less host time per "
-              "SmolLM2-135M decode step")
+              "no per-step views, checks or argument lists on the host")
     held_scratch_kb: int = knob(
         256, "a step program's bound kernel keeps the scratch it made (rope's rotated q|k, the "
              "gate|up rows) up to this size, one per layer; a larger one (prefill) is made at "
