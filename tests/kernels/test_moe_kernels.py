@@ -21,7 +21,10 @@ from tgraph.ir.ops.moe import moe_reference, route
 from tgraph.kernels.triton.moe import moe_decode
 from tgraph.kernels.triton.moe_grouped import grouped_block_m, moe_grouped
 from tgraph.kernels.triton.moe_routing import route_topk, sort_by_expert
+from tgraph.kernels.triton_backend.core import add_rms_norm_into
+from tgraph.kernels.triton_backend.moe import moe_add_rms_norm_into, moe_into
 from tgraph.quant import quantize
+from tgraph.tuning import MoeTuning, Tuning
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -127,6 +130,40 @@ def test_block_m_follows_the_pairs_per_expert():
     assert grouped_block_m(16384, 128, 64) == 64
     assert grouped_block_m(16384, 128, 32) == 32
     assert grouped_block_m(40 * 8, 8, 64) == 64
+
+
+@pytest.mark.parametrize("t, split_max", [(1, 8), (5, 8), (3, 2), (12, 8)],
+                         ids=["decode-split", "decode-split-5", "decode-per-token", "grouped"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_combine_in_the_norm_equals_combine_then_norm(t, split_max, quantized):
+    """moe_add_rms_norm (the experts' shares added by the norm's kernel) gives the bits of the
+    moe kernels' combine followed by add_rms_norm, on every path a token count takes."""
+    dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
+    x, logits, w13, w2 = _case(t, 64, 32, 6, dtype, seed=t)
+    if quantized:
+        w13, w2 = _flat_quantized(w13, w2, QUANT_SCHEMES["int4-g32"])
+    g = torch.Generator().manual_seed(7)
+    residual = torch.randn(t, 64, generator=g).to(DEV, dtype)
+    weight = (torch.rand(64, generator=g) + 0.5).to(DEV, dtype)
+    tuning = Tuning(moe=MoeTuning(split_max_tokens=split_max))
+    kw = dict(top_k=3, renormalize=True)
+    fused = (torch.empty_like(x), torch.empty_like(x))
+    moe_add_rms_norm_into(fused, x, logits, w13, w2, residual, weight, tuning=tuning, eps=1e-6,
+                          **kw)
+    moe_out = moe_into((torch.empty_like(x),), x, logits, w13, w2, tuning=tuning, **kw)
+    want = add_rms_norm_into((torch.empty_like(x), torch.empty_like(x)), moe_out, residual,
+                             weight, eps=1e-6)
+    assert torch.equal(fused[0], want[0]) and torch.equal(fused[1], want[1])
+    _check(moe_out, x, logits, w13, w2, 3, True, dtype)  # and the combine is the op's
+
+
+def test_add_parts_rms_norm_refuses_mismatched_parts():
+    from tgraph.kernels.triton.norms import add_parts_rms_norm
+
+    r = torch.zeros(2, 8, device=DEV)
+    with pytest.raises(ValueError, match=r"expected fp32 parts \[2 \* 3, 8\]"):
+        add_parts_rms_norm(torch.zeros(5, 8, device=DEV), 3, r, torch.ones(8, device=DEV),
+                           1e-6, torch.empty_like(r), torch.empty_like(r))
 
 
 def test_bad_input_is_refused():

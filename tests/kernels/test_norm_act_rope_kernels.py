@@ -593,8 +593,12 @@ def compile_sm90(fn, consts, num_warps, ptr_types=None, floats=()):
 
 for n, residual in ((4096, False), (128, True), (20000, True)):
     rows, block_n, warps, single = norms.launch_config(n)
-    consts = dict(HAS_RESIDUAL=residual, ROWS=rows, BLOCK_N=block_n, SINGLE_PASS=single)
-    compile_sm90(norms._rms_norm_kernel, consts, warps, floats=("eps",))
+    # PARTS=8: the norm adds a MoE token's eight expert shares (moe_add_rms_norm).
+    for parts in (0, 8) if residual else (0,):
+        consts = dict(HAS_RESIDUAL=residual, PARTS=parts, ROWS=rows, BLOCK_N=block_n,
+                      SINGLE_PASS=single)
+        compile_sm90(norms._rms_norm_kernel, consts, warps,
+                     {"x_ptr": "*fp32"} if parts else None, floats=("eps",))
 rows, block_n, warps = activations.launch_config(14336)
 compile_sm90(activations._swiglu_kernel, dict(ROWS=rows, BLOCK_N=block_n), warps)
 rows, block_h, warps = embedding.launch_config(4096)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -66,7 +67,8 @@ def _experts_rule(layers: str) -> list[dict]:
 @pytest.mark.parametrize("layers", ["0|2", "2"], ids=["every sparse layer", "one layer"])
 def test_experts_on_a_second_device_give_identical_logits(moe_dir, graph, layers):
     prompts = [[1, 5, 9, 22, 7], [3, 4, 100]]
-    ref = run_greedy(_load(moe_dir, graph=graph), prompts, 3)
+    ref_model = _load(moe_dir, graph=graph)
+    ref = run_greedy(ref_model, prompts, 3)
     model = _load(moe_dir, _experts_rule(layers), graph=graph)
     moved = [int(n) for n in layers.split("|")]
     for idx, layer in enumerate(model.model.layers):
@@ -82,6 +84,15 @@ def test_experts_on_a_second_device_give_identical_logits(moe_dir, graph, layers
     assert got.generated == ref.generated
     if graph == "static":
         assert any("to_device cpu:0 -> cpu:1" in str(e) for e in model.engines.values())
+        for single, placed in zip(_ops(ref_model), _ops(model)):
+            # MoeAddRmsNorm fuses the combine into the norm after it, never across a device
+            # boundary: a moved layer keeps its moe op (its output crosses back first).
+            assert single["moe_add_rms_norm"] == 2 and single["moe"] == 0
+            assert placed["moe"] == len(moved) and placed["moe_add_rms_norm"] == 2 - len(moved)
+
+
+def _ops(model) -> list[Counter]:
+    return [Counter(n.op for n in e.net.nodes) for _, e in sorted(model.engines.items())]
 
 
 def test_shipped_rules_put_every_layers_experts_on_the_cpu():

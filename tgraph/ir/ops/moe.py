@@ -15,11 +15,17 @@ picked, each on its own tokens (as transformers' loop does); on other devices it
 expert on every token and weights the unrouted ones by zero, the work of ``E / top_k`` dense
 MLPs but with no data-dependent shapes and no host synchronisation, so it can be captured.
 Experts are added in index order in fp32, the order transformers' loop adds them in.
+
+``moe_add_rms_norm(x, router_logits, w13, w2, residual, weight, top_k, renormalize, eps)`` is
+``add_rms_norm(moe(...), residual, weight)``, the block boundary after a sparse MLP (the
+``MoeAddRmsNorm`` pass makes it): the experts' weighted shares are added inside the norm's
+kernel instead of by a combine kernel of their own. Its reference is that composition.
 """
 from __future__ import annotations
 
 import torch
 
+from tgraph.ir.ops.fused import add_rms_norm_infer, add_rms_norm_reference
 from tgraph.ir.ops.registry import Meta, OpCategory, register_op, require, require_float
 from tgraph.ir.shape import dims_conflict
 from tgraph.quant import QuantizedWeight, is_quantized
@@ -117,3 +123,20 @@ def moe_reference(x, router_logits, w13, w2, *, top_k, renormalize):
 
 register_op("moe", infer=moe_infer, reference=moe_reference, category=OpCategory.FUSED,
             doc="routed SwiGLU experts: softmax top-k routing and the weighted sum")
+
+
+def moe_add_rms_norm_infer(x: Meta, router_logits: Meta, w13: Meta, w2: Meta, residual: Meta,
+                           weight: Meta, *, top_k: int, renormalize: bool, eps: float):
+    out = moe_infer(x, router_logits, w13, w2, top_k=top_k, renormalize=renormalize)
+    return add_rms_norm_infer(out, residual, weight, eps=eps)
+
+
+def moe_add_rms_norm_reference(x, router_logits, w13, w2, residual, weight, *, top_k,
+                               renormalize, eps):
+    out = moe_reference(x, router_logits, w13, w2, top_k=top_k, renormalize=renormalize)
+    return add_rms_norm_reference(out, residual, weight, eps=eps)
+
+
+register_op("moe_add_rms_norm", infer=moe_add_rms_norm_infer,
+            reference=moe_add_rms_norm_reference, category=OpCategory.FUSED,
+            doc="add_rms_norm(moe(x, ...), residual, weight): the experts' combine in the norm")

@@ -30,7 +30,7 @@ from tgraph.kernels.triton.moe_tiles import expert_dot, expert_tile, expert_weig
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 from tgraph.quant import QuantizedWeight, is_quantized
 
-__all__ = ["check_moe_operands", "combine_pairs", "moe_decode", "tl_dtype"]
+__all__ = ["check_moe_operands", "combine_pairs", "moe_decode", "moe_decode_shares", "tl_dtype"]
 
 _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -153,12 +153,14 @@ def combine_pairs(y: torch.Tensor, out: torch.Tensor, top_k: int) -> torch.Tenso
 
 def check_moe_operands(op: str, x: torch.Tensor, router_logits: torch.Tensor,
                        w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
-                       out: torch.Tensor, top_k: int) -> tuple[int, int, int, int]:
+                       out: torch.Tensor | None, top_k: int) -> tuple[int, int, int, int]:
     """``(T, H, E, I)`` of the operands, checked: x ``[T, H]``, logits ``[T, E]``, experts
     ``[E, 2I, H]`` / ``[E, H, I]`` contiguous in x's dtype or quantized ``[E * 2I, H]`` /
-    ``[E * H, I]``, out like x."""
+    ``[E * H, I]``, out (None: none given) like x."""
     check_tensor(op, "x", x, 2)
     check_tensor(op, "router_logits", router_logits, 2)
+    if out is None:
+        out = x
     check_tensor(op, "out", out, 2)
     t, h = x.shape
     e = router_logits.shape[1]
@@ -213,9 +215,32 @@ def moe_decode(x: torch.Tensor, router_logits: torch.Tensor,
     Returns:
         ``out``.
     """
-    t, h, e, inter = check_moe_operands("moe_decode", x, router_logits, w13, w2, out, top_k)
-    if t == 0:
+    dims = check_moe_operands("moe_decode", x, router_logits, w13, w2, out, top_k)
+    if dims[0] == 0:
         return out
+    if split:
+        return combine_pairs(_experts(dims, x, router_logits, w13, w2, None, top_k, renormalize,
+                                      block_n, block_k), out, top_k)
+    return _experts(dims, x, router_logits, w13, w2, out, top_k, renormalize, block_n, block_k)
+
+
+def moe_decode_shares(x: torch.Tensor, router_logits: torch.Tensor,
+                      w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
+                      top_k: int, renormalize: bool, block_n: int = 16,
+                      block_k: int = 256) -> torch.Tensor:
+    """The experts of :func:`moe_decode` without the combine: fp32 ``[T * top_k, H]``, row
+    ``t * top_k + j`` token ``t``'s ``j``-th expert output times its routing weight (what
+    :func:`combine_pairs` or :func:`~tgraph.kernels.triton.norms.add_parts_rms_norm` adds up)."""
+    dims = check_moe_operands("moe_decode_shares", x, router_logits, w13, w2, None, top_k)
+    if dims[0] == 0:
+        return torch.empty(0, dims[1], dtype=torch.float32, device=x.device)
+    return _experts(dims, x, router_logits, w13, w2, None, top_k, renormalize, block_n, block_k)
+
+
+def _experts(dims, x, router_logits, w13, w2, out, top_k, renormalize, block_n, block_k):
+    """Route, gate|up with SwiGLU, then down with the routing weights: into ``out`` (a program
+    per token adding its experts), or, with ``out`` None, into new fp32 per-pair shares."""
+    t, h, e, inter = dims
     weights, ids = route_topk(router_logits, top_k, renormalize)
     g = expert_weight(w13, e * 2 * inter, block_k)
     d = expert_weight(w2, e * h, block_k)
@@ -226,11 +251,10 @@ def moe_decode(x: torch.Tensor, router_logits: torch.Tensor,
         x, ids, g.data, g.scale, g.offset, hidden, h, inter, top_k, x.stride(0), g.stride_w,
         g.stride_s, hidden.stride(0), **g.constexprs, DTYPE=dtype, BLOCK_N=block_n,
         BLOCK_K=g.block_k, num_warps=4, **pdl)
+    split = out is None
     target = torch.empty(t * top_k, h, dtype=torch.float32, device=x.device) if split else out
     _down_kernel[(target.shape[0], triton.cdiv(h, block_n))](
         hidden, ids, weights, d.data, d.scale, d.offset, target, h, inter, top_k, hidden.stride(0),
         d.stride_w, d.stride_s, target.stride(0), **d.constexprs, DTYPE=dtype, SPLIT=split,
         BLOCK_N=block_n, BLOCK_K=d.block_k, num_warps=4, **pdl)
-    if split:
-        combine_pairs(target, out, top_k)
-    return out
+    return target

@@ -27,7 +27,7 @@ from tgraph.kernels.triton.moe_tiles import expert_tile, expert_weight
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 from tgraph.quant import QuantizedWeight
 
-__all__ = ["grouped_block_m", "moe_grouped"]
+__all__ = ["grouped_block_m", "moe_grouped", "moe_grouped_shares"]
 
 
 @triton.jit
@@ -129,9 +129,26 @@ def moe_grouped(x: torch.Tensor, router_logits: torch.Tensor,
         block_m: the largest block of pairs (:func:`grouped_block_m` picks the launch's).
         block_n, block_k, num_warps, num_stages: the GEMM tiles and pipeline.
     """
-    t, h, e, inter = check_moe_operands("moe_grouped", x, router_logits, w13, w2, out, top_k)
-    if t == 0:
+    check_moe_operands("moe_grouped", x, router_logits, w13, w2, out, top_k)
+    if x.shape[0] == 0:
         return out
+    shares = moe_grouped_shares(x, router_logits, w13, w2, top_k, renormalize, block_m=block_m,
+                                block_n=block_n, block_k=block_k, num_warps=num_warps,
+                                num_stages=num_stages)
+    return combine_pairs(shares, out, top_k)
+
+
+def moe_grouped_shares(x: torch.Tensor, router_logits: torch.Tensor,
+                       w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
+                       top_k: int, renormalize: bool, *, block_m: int = 64, block_n: int = 64,
+                       block_k: int = 64, num_warps: int = 4, num_stages: int = 3
+                       ) -> torch.Tensor:
+    """The experts of :func:`moe_grouped` without the combine: fp32 ``[T * top_k, H]`` weighted
+    shares, laid out as :func:`~tgraph.kernels.triton.moe.moe_decode_shares` lays them out."""
+    t, h, e, inter = check_moe_operands("moe_grouped_shares", x, router_logits, w13, w2, None,
+                                        top_k)
+    if t == 0:
+        return torch.empty(0, h, dtype=torch.float32, device=x.device)
     weights, ids = route_topk(router_logits, top_k, renormalize)
     blocks = sort_by_expert(ids, e, grouped_block_m(t * top_k, e, block_m))
     g = expert_weight(w13, e * 2 * inter, block_k)
@@ -154,4 +171,4 @@ def moe_grouped(x: torch.Tensor, router_logits: torch.Tensor,
         hidden, *walk, weights, d.data, d.scale, d.offset, shares, h, inter, e,
         hidden.stride(0), d.stride_w, d.stride_s, shares.stride(0), **d.constexprs,
         BLOCK_K=d.block_k, **common)
-    return combine_pairs(shares, out, top_k)
+    return shares

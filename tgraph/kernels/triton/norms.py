@@ -19,7 +19,7 @@ from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor as _check_tensor
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
-__all__ = ["rms_norm", "add_rms_norm"]
+__all__ = ["add_parts_rms_norm", "add_rms_norm", "rms_norm"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -30,6 +30,20 @@ _CHUNK_N = 4096
 # Elements per program to aim for when rows are short (q/k norm over head_dim), so that each
 # program still moves enough bytes to hide memory latency.
 _TARGET_TILE = 2048
+
+
+@triton.jit
+def _load_x(x_ptr, x_rows, rows64, cols, mask, stride_x, dtype: tl.constexpr, PARTS: tl.constexpr):
+    """The rows of ``x`` in fp32; with ``PARTS``, each row the in-order fp32 sum of its rows
+    ``row * PARTS + j`` rounded once to ``dtype``, as a combine kernel would have stored it."""
+    if PARTS == 0:
+        x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        x = tl.zeros(mask.shape, dtype=tl.float32)
+        for j in tl.static_range(PARTS):
+            x += tl.load(x_ptr + (rows64 * PARTS + j) * stride_x + cols, mask=mask, other=0.0)
+        x = x.to(dtype).to(tl.float32)
+    return x
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -47,6 +61,7 @@ def _rms_norm_kernel(
     stride_out,
     stride_res_out,
     HAS_RESIDUAL: tl.constexpr,
+    PARTS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SINGLE_PASS: tl.constexpr,
@@ -71,7 +86,7 @@ def _rms_norm_kernel(
 
     if SINGLE_PASS:
         mask = row_mask & (cols < N)
-        x = tl.load(x_rows + cols, mask=mask, other=0.0).to(tl.float32)
+        x = _load_x(x_ptr, x_rows, rows64, cols, mask, stride_x, norm_dtype, PARTS)
         if HAS_RESIDUAL:
             r = tl.load(res_rows + cols, mask=mask, other=0.0).to(tl.float32)
             s = (x + r).to(norm_dtype)
@@ -87,7 +102,7 @@ def _rms_norm_kernel(
         for start in range(0, N, BLOCK_N):
             c = start + cols
             mask = row_mask & (c < N)
-            x = tl.load(x_rows + c, mask=mask, other=0.0).to(tl.float32)
+            x = _load_x(x_ptr, x_rows, rows64, c, mask, stride_x, norm_dtype, PARTS)
             if HAS_RESIDUAL:
                 r = tl.load(res_rows + c, mask=mask, other=0.0).to(tl.float32)
                 s = (x + r).to(norm_dtype)
@@ -146,8 +161,9 @@ def _check_rows(op: str, x: torch.Tensor, weight: torch.Tensor, **rows: torch.Te
     _check_device(op, {"x": x, "weight": weight, **rows})
 
 
-def _launch(x, residual, weight, eps, out, residual_out, has_residual: bool) -> None:
-    m, n = x.shape
+def _launch(x, residual, weight, eps, out, residual_out, has_residual: bool,
+            parts: int = 0) -> None:
+    m, n = out.shape
     if m == 0 or n == 0:
         return
     rows, block_n, num_warps, single_pass = launch_config(n)
@@ -156,7 +172,7 @@ def _launch(x, residual, weight, eps, out, residual_out, has_residual: bool) -> 
         x, residual, weight, out, residual_out,
         m, n, float(eps),
         x.stride(0), residual.stride(0), out.stride(0), residual_out.stride(0),
-        HAS_RESIDUAL=has_residual, ROWS=rows, BLOCK_N=block_n, SINGLE_PASS=single_pass,
+        HAS_RESIDUAL=has_residual, PARTS=parts, ROWS=rows, BLOCK_N=block_n, SINGLE_PASS=single_pass,
         num_warps=num_warps, **pdl_kwargs(out),
     )  # fmt: skip
 
@@ -210,3 +226,29 @@ def add_rms_norm(
     if out.data_ptr() == residual_out.data_ptr():
         raise ValueError("add_rms_norm: out must not alias residual_out (both are results)")
     _launch(x, residual, weight, eps, out, residual_out, has_residual=True)
+
+
+def add_parts_rms_norm(parts: torch.Tensor, num_parts: int, residual: torch.Tensor,
+                       weight: torch.Tensor, eps: float, out: torch.Tensor,
+                       residual_out: torch.Tensor) -> None:
+    """:func:`add_rms_norm` of ``x[t] = sum_j parts[t * num_parts + j]``: the fp32 parts of a
+    row (a token's weighted expert outputs) are added in order and rounded once to the residual's
+    dtype, then added to the residual as :func:`add_rms_norm` adds ``x``. Bit for bit the
+    combine-then-add it replaces.
+
+    Args:
+        parts: fp32 ``[M * num_parts, N]``, last dim contiguous.
+        num_parts: parts per row, at least 1.
+        residual, weight, eps, out, residual_out: as for :func:`add_rms_norm`.
+    """
+    _check_tensor("add_parts_rms_norm", "parts", parts, 2)
+    _check_rows("add_parts_rms_norm", residual, weight, out=out, residual_out=residual_out)
+    m, n = residual.shape
+    if parts.dtype != torch.float32 or num_parts < 1 or tuple(parts.shape) != (m * num_parts, n):
+        raise ValueError(f"add_parts_rms_norm: expected fp32 parts [{m} * {num_parts}, {n}] for "
+                         f"the residual {list(residual.shape)}, got {parts.dtype} "
+                         f"{list(parts.shape)}")
+    if out.data_ptr() == residual_out.data_ptr():
+        raise ValueError("add_parts_rms_norm: out must not alias residual_out (both are results)")
+    _check_device("add_parts_rms_norm", {"parts": parts, "residual": residual})
+    _launch(parts, residual, weight, eps, out, residual_out, has_residual=True, parts=num_parts)

@@ -11,9 +11,10 @@ from tgraph.kernels.triton_backend.common import Outs, interpreted, reference_in
 from tgraph.quant import is_quantized
 from tgraph.tuning import Tuning
 
-__all__ = ["KERNELS", "moe_into"]
+__all__ = ["KERNELS", "moe_add_rms_norm_into", "moe_into"]
 
 _reference = reference_into("moe")
+_fused_reference = reference_into("moe_add_rms_norm")
 
 
 def _kernels_take(x: torch.Tensor, w13, w2) -> bool:
@@ -26,6 +27,49 @@ def _kernels_take(x: torch.Tensor, w13, w2) -> bool:
     if is_quantized(w13):
         return packed_experts_ok(w13) and packed_experts_ok(w2)
     return w13.dtype == w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
+
+
+def _shares(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, tuning: Tuning, top_k: int,
+            renormalize: bool) -> torch.Tensor:
+    """The experts' fp32 weighted shares ``[T * top_k, H]``, before any combine."""
+    t = tuning.moe
+    if x.shape[0] <= t.decode_max_tokens:
+        from tgraph.kernels.triton.moe import moe_decode_shares
+
+        return moe_decode_shares(x, router_logits, w13, w2, top_k, renormalize,
+                                 block_n=t.block_n, block_k=t.block_k)
+    from tgraph.kernels.triton.moe_grouped import moe_grouped_shares
+
+    return moe_grouped_shares(x, router_logits, w13, w2, top_k, renormalize,
+                              block_m=t.grouped_block_m, block_n=t.grouped_block_n,
+                              block_k=t.grouped_block_k, num_warps=t.grouped_num_warps,
+                              num_stages=t.grouped_num_stages)
+
+
+def moe_add_rms_norm_into(outs: Outs, x: torch.Tensor, router_logits: torch.Tensor, w13, w2,
+                          residual: torch.Tensor, weight: torch.Tensor, *, tuning: Tuning,
+                          top_k: int, renormalize: bool, eps: float):
+    """``outs = add_rms_norm(moe(x, ...), residual, weight)`` with the experts' shares added in
+    the norm's kernel (no combine launch), except where the decode kernels give each token's
+    sum directly (a program per token, beyond ``MoeTuning.split_max_tokens``)."""
+    if not _kernels_take(x, w13, w2) or weight.dtype != x.dtype:
+        return _fused_reference(outs, x, router_logits, w13, w2, residual, weight, top_k=top_k,
+                                renormalize=renormalize, eps=eps)
+    from tgraph.kernels.triton.norms import add_parts_rms_norm, add_rms_norm
+
+    x, router_logits, residual = rows(x), rows(router_logits), rows(residual)
+    n = x.shape[1]
+    normed, summed = outs[0].view(-1, n), outs[1].view(-1, n)
+    t = tuning.moe
+    if t.split_max_tokens < x.shape[0] <= t.decode_max_tokens:
+        moe_out = torch.empty_like(x)
+        moe_into((moe_out,), x, router_logits, w13, w2, tuning=tuning, top_k=top_k,
+                 renormalize=renormalize)
+        add_rms_norm(moe_out, residual, weight, eps, normed, summed)
+    else:
+        shares = _shares(x, router_logits, w13, w2, tuning, top_k, renormalize)
+        add_parts_rms_norm(shares, top_k, residual, weight, eps, normed, summed)
+    return outs[0], outs[1]
 
 
 def moe_into(outs: Outs, x: torch.Tensor, router_logits: torch.Tensor, w13, w2, *,
@@ -51,4 +95,5 @@ def moe_into(outs: Outs, x: torch.Tensor, router_logits: torch.Tensor, w13, w2, 
     return outs[0]
 
 
-KERNELS = (KernelSpec("moe", moe_into, tuned=True),)
+KERNELS = (KernelSpec("moe", moe_into, tuned=True),
+           KernelSpec("moe_add_rms_norm", moe_add_rms_norm_into, tuned=True))
