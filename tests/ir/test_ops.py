@@ -849,6 +849,32 @@ def _rope_attention_samples(dtype: torch.dtype) -> list[Sample]:
     return out
 
 
+def _qk_norm_attention_fn(q, k, v, qw, kw, cos, sin, k_cache, v_cache, slots_mapping,
+                          block_table, seq_len, eps, **attrs):
+    return _rope_attention_fn(F.rms_norm(q, qw, eps), F.rms_norm(k, kw, eps), v, cos, sin,
+                              k_cache, v_cache, slots_mapping, block_table, seq_len, **attrs)
+
+
+def _qk_norm_attention_expect(q, k, v, qw, kw, cos, sin, k_cache, v_cache, slots_mapping,
+                              block_table, seq_len, eps, **attrs):
+    """The fused op's reference (norms, rope, cache write and attention composed) in fp64."""
+    from tgraph.ir.ops.fused import qk_norm_rope_cache_attention_reference
+
+    return qk_norm_rope_cache_attention_reference(
+        q, k, v, qw, kw, cos, sin, k_cache, v_cache, slots_mapping, block_table, seq_len,
+        eps=eps, **attrs)[0]
+
+
+def _qk_norm_attention_samples(dtype: torch.dtype) -> list[Sample]:
+    samples = _rope_attention_samples(dtype)
+    for s in samples:
+        s.expected, s.out_dtype = None, None
+        s.weights.update(qw=rand(16, dtype=dtype, lo=0.5, hi=1.5),
+                         kw=rand(16, dtype=dtype, lo=0.5, hi=1.5))
+        s.kwargs["eps"] = 1e-6
+    return samples
+
+
 def _epilogue_fn(x, w, b=None, r=None, act=None):
     out = F.linear(x, w, b)
     if act is not None:
@@ -920,6 +946,10 @@ FUSED_INFOS = [
     # Decode: the rope and the cache write move into the attention kernel (RopeAttention).
     OpInfo("fused_rope_cache_attention", _rope_attention_fn, None, _rope_attention_samples,
            fused_into="rope_cache_attention"),
+    # Decode, Qwen3: the per-head q/k RMSNorms move into that kernel too (QkNormAttention).
+    OpInfo("fused_qk_norm_rope_cache_attention", _qk_norm_attention_fn,
+           _qk_norm_attention_expect, _qk_norm_attention_samples,
+           fused_into="qk_norm_rope_cache_attention"),
     OpInfo("fused_linear_epilogue", _epilogue_fn, _epilogue_expect, _epilogue_samples,
            fused_into="linear_epilogue"),
     # RMSNorm into the linear after it (and the gate after that), by NormLinear.
@@ -1123,12 +1153,37 @@ MOE_INFO = OpInfo(
                         "w2": rand(4, 16, 12, dtype=dtype, lo=-0.5, hi=0.5)}),
     ])
 
+
+
+def _moe_add_rms_fn(x, logits, r, w, w13, w2, eps):
+    summed = F.moe(x, logits, w13, w2, 2, True) + r
+    return F.rms_norm(summed, w, eps), summed
+
+
+def _moe_add_rms_expect(x, logits, r, w, w13, w2, eps):
+    summed = _moe_expect(x, logits, w13, w2) + r
+    return _rms_expect(summed, w, eps), summed
+
+
+# The experts' combine moves into the add + RMSNorm after them (MoeAddRmsNorm).
+MOE_ADD_RMS_INFO = OpInfo(
+    "fused_moe_add_rms_norm", _moe_add_rms_fn, _moe_add_rms_expect,
+    lambda dtype: [
+        Sample({"x": rand(5, 16, dtype=dtype), "logits": rand(5, 4, dtype=dtype, lo=-3, hi=3),
+                "r": rand(5, 16, dtype=dtype), "w": rand(16, dtype=dtype, lo=0.5, hi=1.5)},
+               {"eps": 1e-5},
+               shapes={"x": ("num_tokens", 16), "logits": ("num_tokens", 4),
+                       "r": ("num_tokens", 16)},
+               weights={"w13": rand(4, 24, 16, dtype=dtype, lo=-0.5, hi=0.5),
+                        "w2": rand(4, 16, 12, dtype=dtype, lo=-0.5, hi=0.5)})],
+    fused_into="moe_add_rms_norm")
+
 OP_INFOS: list[OpInfo] = (
     UNARY_INFOS + SIGNED_INFOS + BINARY_INFOS + [PROMOTION_INFO] + COMPARE_INFOS
     + [WHERE_INFO, CAST_INFO] + REDUCE_INFOS + [SOFTMAX_INFO] + LINALG_INFOS + ACTIVATION_INFOS
     + VIEW_INFOS + MEMORY_INFOS + [ROPE_INFO, CACHE_INFO] + ATTENTION_INFOS + FUSED_INFOS
     + COLLECTIVE_INFOS + [LORA_INFO] + LORA_PROLOGUE_INFOS + [SDPA_INFO, TO_DEVICE_INFO]
-    + [PREFETCH_INFO, MOE_INFO]
+    + [PREFETCH_INFO, MOE_INFO, MOE_ADD_RMS_INFO]
 )
 
 

@@ -260,6 +260,7 @@ RULE_ARGS: dict[str, tuple[int, dict]] = {
     "where": (3, {}), "cast": (1, {"dtype": f32}), "sum": (1, {"dim": -1}),
     "mean": (1, {"dim": -1}), "amax": (1, {"dim": -1}), "softmax": (1, {"dim": -1}),
     "linear": (3, {}), "moe": (4, {"top_k": 2, "renormalize": True}),
+    "moe_add_rms_norm": (6, {"top_k": 2, "renormalize": True, "eps": 1e-6}),
     "rms_norm": (2, {"eps": 1e-6}), "layer_norm": (3, {"eps": 1e-5}),
     "reshape": (1, {"shape": (-1, 4)}), "permute": (1, {"dims": (1, 0)}),
     "transpose": (1, {"dim0": 0, "dim1": -1}), "slice": (1, {"dim": -1, "start": 1, "end": None}),
@@ -267,7 +268,8 @@ RULE_ARGS: dict[str, tuple[int, dict]] = {
     "squeeze": (1, {"dim": 0}), "split": (1, {"sizes": (1, 1), "dim": -1}),
     "cat": (2, {"dim": -1}), "gather": (2, {"dim": -1}), "rope": (4, {}),
     "reshape_and_cache": (5, {}), "paged_attention": (6, {}), "add_rms_norm": (3, {"eps": 1e-6}),
-    "rope_cache": (8, {}), "rope_cache_attention": (10, {}), "linear_epilogue": (4, {}),
+    "rope_cache": (8, {}), "rope_cache_attention": (10, {}),
+    "qk_norm_rope_cache_attention": (12, {"eps": 1e-6}), "linear_epilogue": (4, {}),
     "norm_linear": (4, {"eps": 1e-6}),
     "all_reduce": (1, {"world_size": 2}), "all_gather": (1, {"dim": -1, "world_size": 2}),
 }

@@ -525,7 +525,7 @@ def new_key_case(lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, r
 
 
 def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, compute_dtype,
-                  tuning=None):
+                  tuning=None, k_ulps=1):
     k_cache, v_cache = case.k_cache.clone(), case.v_cache.clone()
     out = torch.full_like(q_raw, float("nan"))
     paged_attention_decode(q_raw, k_cache, v_cache, case.block_table, case.seq_len, None, window,
@@ -537,7 +537,8 @@ def check_new_key(case, q_raw, q_rot, k_rot, new_key, window, num_splits, comput
     # The step's v is copied into the cache bit for bit, its k rotated to within one rounding
     # of the cache dtype: the kernel may contract x*c - y*s into an FMA, and Triton's interpreter
     # rounds fp32 -> bf16 differently from torch (measured: 1 ulp apart at most).
-    ulp = {torch.float32: 2 ** -22, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[q_raw.dtype]
+    ulp = {torch.float32: 2 ** -22, torch.float16: 2 ** -10,
+           torch.bfloat16: 2 ** -7}[q_raw.dtype] * k_ulps
     for b, slot in enumerate(new_key.slots_mapping.tolist()):
         if slot >= 0:
             assert torch.equal(flat_v[slot], new_key.v[b])
@@ -563,6 +564,30 @@ def test_decode_new_key_matches_rope_then_cache_then_attention(dtype, interleave
     check_new_key(case, q_raw, q_rot, k_rot, nk, window, num_splits, torch.float64, tuning)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("interleaved, num_splits", [(False, 1), (True, 3)])
+def test_decode_new_key_with_the_qk_norm(dtype, interleaved, num_splits):
+    """Qwen3's per-head q/k RMSNorm folded into the kernel equals norm, then rope, cache write
+    and attention (qk_norm_rope_cache_attention)."""
+    from tgraph.ir.ops.attention import rope_reference
+    from tgraph.ir.ops.norms import rms_norm_reference
+
+    lens = [37, 1, 0, 16, 5]
+    case, q_raw, _, _, nk = new_key_case(lens, 4, 2, 16, 4, dtype, 8, interleaved)
+    g = torch.Generator().manual_seed(5)
+    wq, wk = ((torch.rand(16, generator=g) + 0.5).to(DEVICE, dtype) for _ in range(2))
+    q_n = rms_norm_reference(q_raw, wq, eps=1e-6)
+    k_n = rms_norm_reference(nk.k, wk, eps=1e-6)
+    q_rot, k_rot = rope_reference(q_n, k_n, nk.cos, nk.sin, interleaved=interleaved)
+    for b, n in enumerate(lens):
+        if n:
+            case.k_dense[b][-1] = k_rot[b]
+    nk = dataclasses.replace(nk, q_norm=wq, k_norm=wk, norm_eps=1e-6)
+    # The norm rounds twice more before the rotation (normed, then times its weight): where the
+    # interpreter's bf16 rounding departs from torch's by an ulp, the key may move by ~3 ulps.
+    check_new_key(case, q_raw, q_rot, k_rot, nk, None, num_splits, torch.float64, k_ulps=4)
+
+
 def test_decode_new_key_rejects_bad_input():
     case, q_raw, _, _, nk = new_key_case([5, 3], 4, 2, 16, 4, torch.float32, 8, False)
     out = torch.empty_like(q_raw)
@@ -581,6 +606,10 @@ def test_decode_new_key_rejects_bad_input():
         run(slots_mapping=nk.slots_mapping.float())
     with pytest.raises(ValueError, match="new_key.v must be"):
         run(v=nk.v.half())
+    with pytest.raises(ValueError, match="q_norm and k_norm come together"):
+        run(q_norm=torch.ones(16, device=DEVICE))
+    with pytest.raises(ValueError, match=r"new_key.k_norm must be a float \[D=16\] weight"):
+        run(q_norm=torch.ones(16, device=DEVICE), k_norm=torch.ones(8, device=DEVICE))
 
 
 

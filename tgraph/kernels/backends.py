@@ -22,9 +22,10 @@ __all__ = ["load_backends", "select_kernel"]
 def load_backends() -> None:
     """Register every backend's kernels (once per process)."""
     from tgraph.kernels.cpu_backend import core as cpu_core
+    from tgraph.kernels.cpu_backend import qk_norm as cpu_qk_norm
     from tgraph.kernels.triton_backend import collective, core, lora, moe, sdpa
 
-    backends = {"triton": (core, lora, collective, sdpa, moe), "cpu": (cpu_core,)}
+    backends = {"triton": (core, lora, collective, sdpa, moe), "cpu": (cpu_core, cpu_qk_norm)}
     for backend, modules in backends.items():
         for module in modules:
             for spec in module.KERNELS:

@@ -5,6 +5,8 @@
 - ``RopeAttention``: at decode (one query per sequence), ``rope_cache`` followed by the
   ``paged_attention`` that reads its outputs becomes ``rope_cache_attention``: the attention
   kernel rotates q and the new key itself, stores k/v, and one launch per layer is gone.
+- ``QkNormAttention``: the per-head RMSNorms of q and k before it (Qwen3's q_norm / k_norm)
+  move into that kernel too (``qk_norm_rope_cache_attention``): two launches fewer per layer.
 """
 from __future__ import annotations
 
@@ -80,4 +82,48 @@ class RopeAttention(Pass):
         net.replace_all_uses(kc, new_kc)
         net.replace_all_uses(vc, new_vc)
         net.remove_nodes([attn, rope])
+        return 1
+
+
+class QkNormAttention(Pass):
+    """``rms_norm(q)`` and ``rms_norm(k)`` (same epsilon, weights in the activations' dtype)
+    read only by a ``rope_cache_attention`` become part of it:
+    ``qk_norm_rope_cache_attention``."""
+
+    name = "QkNormAttention"
+
+    def run(self, net: Network) -> int:
+        count = 0
+        for node in list(net.nodes):
+            if node.op == "rope_cache_attention" and net.contains(node):
+                count += self._fuse(net, node)
+        return count
+
+    @staticmethod
+    def _norm_of(net: Network, value, attn: Node) -> Node | None:
+        norm = value.producer
+        if (norm is None or norm.op != "rms_norm" or len(norm.inputs) != 2
+                or norm.inputs[1] is None or net.users(value) != [attn]
+                or net.is_output(value)):
+            return None
+        x, weight = norm.inputs
+        ok = (x.dtype is not None and x.dtype == value.dtype == weight.dtype and weight.rank == 1)
+        return norm if ok else None
+
+    @classmethod
+    def _fuse(cls, net: Network, attn: Node) -> int:
+        q, k = attn.inputs[:2]
+        q_norm, k_norm = cls._norm_of(net, q, attn), cls._norm_of(net, k, attn)
+        if q_norm is None or k_norm is None or q_norm is k_norm \
+                or q_norm.attrs["eps"] != k_norm.attrs["eps"]:
+            return 0
+        with recording(net), net.inserting_before(attn):
+            out, new_kc, new_vc = F.record(
+                "qk_norm_rope_cache_attention",
+                [q_norm.inputs[0], k_norm.inputs[0], attn.inputs[2], q_norm.inputs[1],
+                 k_norm.inputs[1], *attn.inputs[3:]],
+                eps=q_norm.attrs["eps"], **attn.attrs)
+        for old, new in zip(attn.outputs, (out, new_kc, new_vc)):
+            net.replace_all_uses(old, new)
+        net.remove_nodes([attn, q_norm, k_norm])
         return 1

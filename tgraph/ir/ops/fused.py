@@ -106,6 +106,31 @@ register_op("rope_cache_attention", infer=_rope_cache_attention_infer,
                 "pair: the attention rotates q and the new k and stores k/v itself")
 
 
+def _qk_norm_rope_cache_attention_infer(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache,
+                                        slots_mapping, block_table, seq_len, *, eps,
+                                        interleaved=False, scale=None, sliding_window=None):
+    q_n, k_n = norm_infer(q, q_weight, eps=eps), norm_infer(k, k_weight, eps=eps)
+    return _rope_cache_attention_infer(q_n, k_n, v, cos, sin, k_cache, v_cache, slots_mapping,
+                                       block_table, seq_len, interleaved=interleaved,
+                                       scale=scale, sliding_window=sliding_window)
+
+
+def qk_norm_rope_cache_attention_reference(q, k, v, q_weight, k_weight, cos, sin, k_cache,
+                                           v_cache, slots_mapping, block_table, seq_len, *, eps,
+                                           interleaved=False, scale=None, sliding_window=None):
+    return rope_cache_attention_reference(
+        rms_norm_reference(q, q_weight, eps=eps), rms_norm_reference(k, k_weight, eps=eps), v,
+        cos, sin, k_cache, v_cache, slots_mapping, block_table, seq_len,
+        interleaved=interleaved, scale=scale, sliding_window=sliding_window)
+
+
+register_op("qk_norm_rope_cache_attention", infer=_qk_norm_rope_cache_attention_infer,
+            reference=qk_norm_rope_cache_attention_reference, category=OpCategory.FUSED,
+            view_of=(None, 7, 8), mutates=(7, 8),
+            doc="decode: the RMSNorm over each q and k head (Qwen3's q_norm / k_norm) and then "
+                "rope_cache_attention, in the attention kernel")
+
+
 def _linear_epilogue_infer(x, w, bias=None, residual=None, *, transpose_b=True, act=None):
     require(act is None or act in EPILOGUE_ACTIVATIONS,
             f"linear_epilogue: unknown activation {act!r}")

@@ -331,6 +331,15 @@ def _check_new_key(op: str, nk: NewKey, q: torch.Tensor, k_cache: torch.Tensor) 
                          f"{list(getattr(slots_mapping, 'shape', []))}")
     if not isinstance(nk.interleaved, bool):
         raise TypeError(f"{op}: new_key.interleaved must be a bool, got {nk.interleaved!r}")
+    if (nk.q_norm is None) != (nk.k_norm is None):
+        raise ValueError(f"{op}: new_key.q_norm and k_norm come together (both or neither)")
+    for name, t in (("q_norm", nk.q_norm), ("k_norm", nk.k_norm)):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != (head_dim,)
+                              or t.device != q.device or not t.is_floating_point()
+                              or t.stride(-1) != 1):
+            raise ValueError(f"{op}: new_key.{name} must be a float [D={head_dim}] weight on "
+                             f"{q.device}, got {getattr(t, 'dtype', type(t).__name__)} "
+                             f"{list(getattr(t, 'shape', []))}")
 
 
 def decode_workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int) -> int:

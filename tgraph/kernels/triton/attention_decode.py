@@ -62,6 +62,9 @@ class NewKey:
         cos, sin: fp32 ``[B, R/2]``, ``2 <= R <= D``.
         slots_mapping: int32/int64 ``[B]`` flat cache slot per sequence.
         interleaved: GPT-J pairs ``(2i, 2i+1)`` instead of ``(i, i + R/2)``.
+        q_norm, k_norm: ``[D]`` weights of an RMSNorm over each q and k head applied before the
+            rope (Qwen3's q_norm / k_norm), rounded as its own kernel stores it; None: none.
+        norm_eps: that norm's epsilon.
     """
 
     k: torch.Tensor
@@ -70,6 +73,9 @@ class NewKey:
     sin: torch.Tensor
     slots_mapping: torch.Tensor
     interleaved: bool = False
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    norm_eps: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -168,13 +174,16 @@ def workspace_numel(batch: int, num_q_heads: int, head_dim: int, num_splits: int
 
 
 @triton.jit
-def _rotated_rows(rows, row_mask, offs_d, cos_row, sin_row,
-                  ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _rotated_rows(rows, row_mask, offs_d, cos_row, sin_row, norm_w, eps,
+                  ROT_HALF: tl.constexpr, INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
+                  HEAD_DIM: tl.constexpr):
     """Rows ``[R, D]`` at pointers ``rows`` (``[R, 1]``) with the rotary embedding applied, fp32.
 
     Every element is ``x * cos + sign * partner * sin`` with its rotation partner (``d +- R/2``,
     or the other element of its pair when ``INTERLEAVED``); dims past ``2 * ROT_HALF`` pass
-    through. Two loads of the row instead of a split/join keep the tensor in one layout.
+    through. Two loads of the row instead of a split/join keep the tensor in one layout. With
+    ``NORM`` each row is first RMS-normalised with weights ``norm_w``, rounded to the rows'
+    dtype as a norm kernel would store it.
     """
     rotary = offs_d < 2 * ROT_HALF
     if INTERLEAVED:
@@ -189,15 +198,24 @@ def _rotated_rows(rows, row_mask, offs_d, cos_row, sin_row,
     partner = tl.where(rotary, partner, offs_d)
     c = tl.load(cos_row + angle, mask=rotary, other=1.0)
     s = tl.load(sin_row + angle, mask=rotary, other=0.0)
-    x = tl.load(rows + offs_d[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    x_in = tl.load(rows + offs_d[None, :], mask=row_mask, other=0.0)
+    x = x_in.to(tl.float32)
     xp = tl.load(rows + partner[None, :], mask=row_mask, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.math.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+        w = tl.load(norm_w + offs_d).to(tl.float32)
+        wp = tl.load(norm_w + partner).to(tl.float32)
+        x = ((x * rstd).to(x_in.dtype).to(tl.float32) * w[None, :]).to(x_in.dtype)
+        x = x.to(tl.float32)
+        xp = ((xp * rstd).to(x_in.dtype).to(tl.float32) * wp[None, :]).to(x_in.dtype)
+        xp = xp.to(tl.float32)
     return x * c[None, :] + sign[None, :] * xp * s[None, :]
 
 
 @triton.jit(do_not_specialize=["window", "num_splits"])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr, ws_acc_ptr, ws_ml_ptr, bt_ptr, seq_len_ptr,
-    kn_ptr, vn_ptr, cos_ptr, sin_ptr, slots_ptr, n_slots,
+    kn_ptr, vn_ptr, cos_ptr, sin_ptr, slots_ptr, n_slots, qn_w_ptr, kn_w_ptr, norm_eps,
     qk_scale, window, num_splits, num_q_heads,
     stride_qb, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_ob, stride_oh, stride_btb, stride_btn,
@@ -206,7 +224,8 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DIRECT_OUT: tl.constexpr, PREFETCH: tl.constexpr, DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, NEW_KEY: tl.constexpr, ROT_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr, EARLY_KV: tl.constexpr, PDL: tl.constexpr,
+    INTERLEAVED: tl.constexpr, EARLY_KV: tl.constexpr, QK_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -259,7 +278,8 @@ def _decode_split_kernel(
         # q arrives unrotated: rotate it here, rounded as the unfused rope would store it.
         q_rows = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh
         q = _rotated_rows(q_rows, head_mask[:, None], offs_d, cos_ptr + seq * stride_cos,
-                          sin_ptr + seq * stride_sin, ROT_HALF, INTERLEAVED)
+                          sin_ptr + seq * stride_sin, qn_w_ptr, norm_eps, ROT_HALF, INTERLEAVED,
+                          QK_NORM, HEAD_DIM)
         q = q.to(q_ptr.dtype.element_ty)
     else:
         q_ptrs = q_ptr + seq.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
@@ -290,7 +310,7 @@ def _decode_split_kernel(
                 cos_ptr + seq * stride_cos, sin_ptr + seq * stride_sin, slots_ptr, n_slots,
                 k_ptr, v_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
-                HEAD_DIM, BLOCK_SIZE, ROT_HALF, INTERLEAVED,
+                kn_w_ptr, norm_eps, HEAD_DIM, BLOCK_SIZE, ROT_HALF, INTERLEAVED, QK_NORM,
             )
 
     if DIRECT_OUT:
@@ -335,15 +355,15 @@ def _attend_tile(acc, l_i, m_i, q, k, v, key_mask, qk_scale, DOT_PRECISION: tl.c
 def _attend_new_key(
     acc, l_i, m_i, q, seq, kv_head, seq_len, offs_d, kn_ptr, vn_ptr, cos_row, sin_row,
     slots_ptr, n_slots, k_ptr, v_ptr, stride_knb, stride_knh, stride_vnb, stride_vnh,
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, qk_scale, norm_w, eps,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, ROT_HALF: tl.constexpr,
-    INTERLEAVED: tl.constexpr,
+    INTERLEAVED: tl.constexpr, NORM: tl.constexpr,
 ):
     """This step's key of one kv head: rotate it, store it and v at the sequence's slot, and
     fold it into the softmax state (one more key, the last one)."""
     k_row = kn_ptr + seq.to(tl.int64) * stride_knb + kv_head * stride_knh
     k_new = _rotated_rows(k_row + tl.zeros([1, 1], dtype=tl.int64), True, offs_d, cos_row,
-                          sin_row, ROT_HALF, INTERLEAVED)
+                          sin_row, norm_w, eps, ROT_HALF, INTERLEAVED, NORM, HEAD_DIM)
     k_new = k_new.to(k_ptr.dtype.element_ty)  # [1, D], rounded as the cache holds it
     v_new = tl.load(vn_ptr + seq.to(tl.int64) * stride_vnb + kv_head * stride_vnh
                     + offs_d[None, :]).to(v_ptr.dtype.element_ty)
@@ -441,11 +461,14 @@ def launch_decode(
         ws_ml = workspace[n_acc:numel]
     nk = new_key
     dummy = seq_len  # stands in for the new-key pointers when there is none (never read)
+    qk_norm = (nk.q_norm, nk.k_norm) if nk is not None and nk.q_norm is not None else None
     _decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, ws_acc, ws_ml, block_table, seq_len,
         nk.k if nk else dummy, nk.v if nk else dummy, nk.cos if nk else dummy,
         nk.sin if nk else dummy, nk.slots_mapping if nk else dummy,
         k_cache.shape[0] * block_size,
+        qk_norm[0] if qk_norm else dummy, qk_norm[1] if qk_norm else dummy,
+        float(nk.norm_eps) if qk_norm else 0.0,
         scale * LOG2E, sliding_window if sliding_window is not None else 0, num_splits,
         num_q_heads,
         q.stride(0), q.stride(1),
@@ -468,6 +491,7 @@ def launch_decode(
         NEW_KEY=nk is not None,
         ROT_HALF=nk.cos.shape[1] if nk else 0,
         INTERLEAVED=bool(nk and nk.interleaved),
+        QK_NORM=qk_norm is not None,
         EARLY_KV=nk is not None
         and batch * num_kv_heads * num_splits <= early_kv_max_programs_per_sm * sm_count(q.device),
         num_warps=config.num_warps,

@@ -100,6 +100,20 @@ def rope_cache_attention_into(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, s
     return outs[0], k_cache, v_cache
 
 
+def qk_norm_rope_cache_attention_into(outs: Outs, q, k, v, q_weight, k_weight, cos, sin,
+                                      k_cache, v_cache, slots_mapping, block_table, seq_len, *,
+                                      tuning: Tuning, eps, interleaved=False, scale=None,
+                                      sliding_window=None):
+    from tgraph.kernels.triton.attention import NewKey, paged_attention_decode
+
+    new_key = NewKey(last_contiguous(k), last_contiguous(v), cos.float(), sin.float(),
+                     slots_mapping, interleaved, q_norm=q_weight, k_norm=k_weight, norm_eps=eps)
+    paged_attention_decode(last_contiguous(q), k_cache, v_cache, block_table, seq_len, scale,
+                           sliding_window, outs[0], new_key=new_key,
+                           tuning=tuning.decode_attention)
+    return outs[0], k_cache, v_cache
+
+
 def l2_prefetch_into(outs: Outs, x, *weights, tuning: Tuning, halves):
     from tgraph.kernels.triton.prefetch import prefetch_ahead
 
@@ -260,6 +274,7 @@ KERNELS = (
     KernelSpec("reshape_and_cache", reshape_and_cache_into),
     KernelSpec("rope_cache", rope_cache_into),
     KernelSpec("rope_cache_attention", rope_cache_attention_into, tuned=True),
+    KernelSpec("qk_norm_rope_cache_attention", qk_norm_rope_cache_attention_into, tuned=True),
     KernelSpec("l2_prefetch", l2_prefetch_into, tuned=True),
     KernelSpec("paged_attention", paged_attention_into, tuned=True),
     KernelSpec("linear", linear_into, tuned=True),
