@@ -324,48 +324,54 @@ from tgraph.kernels.triton import lora
 
 fn = lora._shrink_concat_kernel
 PTRS = {"scale_ptr": "*fp32", "order_ptr": "*i32", "seg_ptr": "*i32", "part_ptr": "*fp32",
-        "count_ptr": "*i32"}
+        "count_ptr": "*i32", "scale2_ptr": "*fp32", "seg2_ptr": "*i32", "count2_ptr": "*i32"}
 # What the wrapper launches: decode (split, 16-token tiles) and prefill (no split, 64-token
-# tiles) tiles, bf16 tensor-core dots and fp32 IEEE dots, PDL on.
+# tiles) tiles, bf16 tensor-core dots and fp32 IEEE dots, PDL on; one adapter set, or two
+# (stacked features; the second set's token order int32 as engines pass it, or int64 as
+# lora_segments returns it).
 for dtype, split, block_t, block_r in (("bf16", True, 16, 64), ("bf16", False, 64, 64),
                                        ("fp16", True, 16, 16), ("fp32", True, 16, 32),
                                        ("bf16", False, 64, 256)):
-    consts = dict(SPLIT=split, F32_DOT=dtype == "fp32", BLOCK_T=block_t, BLOCK_R=block_r,
-                  BLOCK_K=lora._block_k(16 if block_t == 16 else 4096, 4096), BLOCK_L=8,
-                  BLOCK_C=lora._BLOCK_C,
-                  SPLIT_BLOCK=lora._split_block(16 if split else 1, block_t, block_r),
-                  PDL=True)
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = PTRS.get(name, "*" + dtype)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "i32"
-    warps = 8 if block_t * block_r >= 64 * 128 else 4
-    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": warps})
+    for second, order2 in ((False, "*i32"), (True, "*i32"), (True, "*i64")):
+        consts = dict(SECOND=second, SPLIT=split, F32_DOT=dtype == "fp32", BLOCK_T=block_t,
+                      BLOCK_R=block_r, BLOCK_K=lora._block_k(16 if block_t == 16 else 4096, 4096),
+                      BLOCK_L=8, BLOCK_C=lora._BLOCK_C,
+                      SPLIT_BLOCK=lora._split_block(16 if split else 1, block_t, block_r),
+                      PDL=True)
+        sig, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                sig[name] = {**PTRS, "order2_ptr": order2}.get(name, "*" + dtype)
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[name] = "i32"
+        warps = 8 if block_t * block_r >= 64 * 128 else 4
+        triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": warps})
 # The per-token decode kernel: K 2048 (chunks of 4 ranks) and 8192 (one rank), bf16 and fp32,
-# plain and with the norm folded in (RMSNorm, add + RMSNorm).
+# plain and with the norm folded in (RMSNorm, add + RMSNorm); one adapter set or two.
 fn = lora._shrink_rows_kernel
 for dtype, block_r, block_k, prologue in (("bf16", 4, 2048, 0), ("bf16", 1, 8192, 0),
                                           ("fp32", 8, 1024, 0), ("bf16", 4, 2048, 1),
                                           ("bf16", 2, 4096, 2), ("fp16", 4, 2048, 2)):
-    consts = dict(PROLOGUE=prologue, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=4,
-                  BLOCK_C=lora._BLOCK_C, PDL=True)
-    sig, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
-        if name in consts:
-            sig[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            sig[name] = {"scale_ptr": "*fp32", "slots_ptr": "*i32"}.get(name, "*" + dtype)
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[name] = "fp32" if name == "eps" else "i32"
-    triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 8})
+    for second, slots2 in ((False, "*i32"), (True, "*i32"), (True, "*i64")):
+        consts = dict(PROLOGUE=prologue, SECOND=second, BLOCK_R=block_r, BLOCK_K=block_k,
+                      BLOCK_L=4, BLOCK_C=lora._BLOCK_C, PDL=True)
+        sig, attrs = {}, {}
+        for i, name in enumerate(fn.arg_names):
+            if name in consts:
+                sig[name] = "constexpr"
+            elif name.endswith("_ptr"):
+                ptrs = {"scale_ptr": "*fp32", "slots_ptr": "*i32", "scale2_ptr": "*fp32",
+                        "slots2_ptr": slots2}
+                sig[name] = ptrs.get(name, "*" + dtype)
+                attrs[(i,)] = [["tt.divisibility", 16]]
+            else:
+                sig[name] = "fp32" if name == "eps" else "i32"
+        triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                       options={"num_warps": 8})
 print("compiled")
 """
 

@@ -15,7 +15,10 @@ Bounds:
   (``prefer_small_m`` sends linears of <= 4 rows, the LoRA linears' single GEMMs on
   ``[x | shrink]`` included, to the small-M kernel; attention, norms and ``lora_shrink_concat``
   are Triton): the same deterministic kernels on the same shapes, replayed from a
-  graph or launched one by one, give **bit-identical** logits.
+  graph or launched one by one, give **bit-identical** logits. Their prefill (119 tokens) is
+  padded to the 128-token bucket when captured; the LoRA shrinks launch alike at both counts
+  (the same K splits, stacked or not: ``test_lora_stacking``
+  ``test_gpu_tests_prefill_shrinks_alike_padded_and_unpadded``).
 * At 7 requests the captured run pads to bucket 8, the uncaptured one does not, and cuBLAS may
   pick another GEMM for 8 rows than for 7: fp32 accumulation in another order, each op rounded
   to bf16 (unit roundoff 2^-9) / fp16 (2^-11). Through 2 layers and the LM head that moves
@@ -248,3 +251,37 @@ def test_single_adapter_switch_under_a_captured_graph(models):
     changed = rel_err(traces["d"], traces["a"])
     assert changed > ADAPTER_EFFECT, f"switching a -> d barely changed the logits ({changed})"
     assert lora_decode_captures(graphed, "single_lora") == captures
+
+
+STACKED = ("multi_lora", "single_lora")
+SHRINK_OPS = ("lora_shrink_concat", "rms_norm_lora_concat", "add_rms_norm_lora_concat")
+
+
+def test_stacked_single_and_multi_under_a_captured_graph(models):
+    """Single + multi LoRA in one engine: each adapted linear's one stacked shrink (both adapter
+    sets, the norm before q/k/v and gate/up folded in, one launch) captured and replayed equals
+    the uncaptured run (bucket 4: bit-identical), a single adapter switched under the captured
+    graph is served, and the single adapter matters on top of the multi ones."""
+    dtype, (graphed, plain) = models
+    loras = MIXES["bucket4"]
+    traces = {}
+    try:
+        for name in ("a", "d"):
+            for model in (graphed, plain):
+                model.features["single_lora"].activate(name)
+            got, want = decode_trace(graphed, loras), decode_trace(plain, loras)
+            assert torch.equal(got, want), \
+                f"single {name} + multi: captured != uncaptured ({rel_err(got, want):.2e})"
+            traces[name] = want
+        engine = graphed.engines[(False, STACKED)]
+        assert engine.captured_signatures > 0, "the stacked decode engine ran uncaptured"
+        shrinks = [n for n in engine.net.nodes if n.op in SHRINK_OPS]
+        assert len(shrinks) == len(graphed.features["single_lora"].targets)
+        assert all(n.attrs.get("second_width", 0) > 0 for n in shrinks)
+        assert sum(n.op != "lora_shrink_concat" for n in shrinks) == 2 * CONFIG["num_hidden_layers"]
+    finally:
+        for model in (graphed, plain):
+            model.features["single_lora"].activate(None)
+    multi_only = decode_trace(plain, loras)
+    assert rel_err(traces["a"], multi_only) > ADAPTER_EFFECT, "the single adapter barely matters"
+    assert rel_err(traces["d"], traces["a"]) > ADAPTER_EFFECT, "switching a -> d barely matters"

@@ -1,5 +1,6 @@
 """LoraPrologue: the RMSNorm (with or without the residual add) that produces a LoRA linear's
-input folds into its shrink. Numbers (fused == unfused, on the reference backend exactly:
+input folds into its shrink, also the stacked shrink of single + multi LoRA (one per adapted
+linear, both features' columns). Numbers (fused == unfused, on the reference backend exactly:
 the fused references are the compositions of the unfused ones; on the Triton backend within fp32
 accumulation-order tolerance) and structure (matches, kernels, ops)."""
 from __future__ import annotations
@@ -23,22 +24,33 @@ HF = dict(model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=64
           tie_word_embeddings=False)
 LORAS = ["l0", None, "l1", "l0"]
 FUSED_OPS = ("rms_norm_lora_concat", "add_rms_norm_lora_concat")
+SHRINK_OPS = ("lora_shrink_concat", *FUSED_OPS)
+MULTI = ("multi_lora",)
+STACKED = ("multi_lora", "single_lora")
 
 
-def _run(tmp_path: Path, disabled: tuple[str, ...]) -> tuple[object, list[torch.Tensor]]:
-    """A prefill and a decode step of a mixed batch (two adapters and the base model)."""
+def _run(tmp_path: Path, disabled: tuple[str, ...],
+         stacked: bool = False) -> tuple[object, list[torch.Tensor]]:
+    """A prefill and a decode step of a mixed batch (two adapters and the base model; with
+    ``stacked``, a single adapter active for every request too)."""
     config = ModelConfig.from_dict(HF)
     torch.manual_seed(0)
     weights = random_weights(HF, torch.float32, "cpu")
+    features = {"multi_lora": {"max_rank": 4, "max_loras": 2}}
+    if stacked:
+        features["single_lora"] = {"max_rank": 8}
     model = build_model(config, DictWeightLoader(weights, device="cpu", dtype=torch.float32),
-                        max_model_len=64, disabled_passes=disabled,
-                        features={"multi_lora": {"max_rank": 4, "max_loras": 2}})
+                        max_model_len=64, disabled_passes=disabled, features=features)
     model.allocate_kv_cache(32)
-    for i, name in enumerate(("l0", "l1")):
+    for i, name in enumerate(("l0", "l1", "single")):
         adapter = tmp_path / name
         if not adapter.exists():
-            write_random_adapter(adapter, config, rank=4, seed=i + 1, b_std=0.2)
-        model.features["multi_lora"].load(name, adapter)
+            write_random_adapter(adapter, config, rank=4 + 4 * (i == 2), seed=i + 1, b_std=0.2)
+        if i < 2:
+            model.features["multi_lora"].load(name, adapter)
+        elif stacked:
+            model.features["single_lora"].load(name, adapter)
+            model.features["single_lora"].activate(name)
     b = PagedBatcher.for_model(model)
     seqs = [b.add([3 + i, 7, 11 + 2 * i]) for i in range(len(LORAS))]
     logits = []
@@ -93,3 +105,41 @@ def test_base_engine_is_untouched(tmp_path):
     engine = model.engines[(True, ())]
     assert {p.name: p.matches for p in engine.stats.passes}["LoraPrologue"] == 0
     assert not set(FUSED_OPS) & set(_ops(engine))
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_stacked_engine_has_one_shrink_per_adapted_linear(tmp_path, backend, monkeypatch):
+    # Single + multi LoRA: each adapted linear's operand comes from one shrink with both
+    # features' adapter sets, the norms before q/k/v and gate/up folded in as for multi alone, so
+    # the stacked engine launches as many kernels as the multi-only one.
+    if backend == "triton":
+        build_with_triton_backend(monkeypatch)
+    fused_model, fused = _run(tmp_path, (), stacked=True)
+    plain_model, plain = _run(tmp_path, ("LoraPrologue",), stacked=True)
+    multi_model, multi = _run(tmp_path, ())
+    for got, want, without_single in zip(fused, plain, multi):
+        if backend == "reference":
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert (got - without_single).abs().max() > 1e-2, "the single adapter must matter"
+    layers = HF["num_hidden_layers"]
+    targets = len(fused_model.features["single_lora"].targets)
+    assert targets == 4 * layers  # q|k|v, o, gate|up, down
+    for is_prefill in (True, False):
+        engine = fused_model.engines[(is_prefill, STACKED)]
+        shrinks = [n for n in engine.net.nodes if n.op in SHRINK_OPS]
+        assert len(shrinks) == targets
+        for node in shrinks:
+            names = {v.name for v in node.inputs if v is not None}
+            assert {"lora_token_slots", "single_lora_token_slots"} <= names
+            assert node.attrs["second_width"] > 0
+        matches = {p.name: p.matches for p in engine.stats.passes}
+        assert matches["LoraPrologue"] == 2 * layers
+        assert sum(n.op in FUSED_OPS for n in shrinks) == 2 * layers
+        plain_engine = plain_model.engines[(is_prefill, STACKED)]
+        assert plain_engine.stats.kernel_count - engine.stats.kernel_count == 2 * layers
+        multi_engine = multi_model.engines[(is_prefill, MULTI)]
+        assert engine.stats.kernel_count == multi_engine.stats.kernel_count
+        if backend == "triton":
+            assert all(f"triton.{op}" in str(engine) for op in SHRINK_OPS)

@@ -438,7 +438,8 @@ def pack_adapter(adapter: LoraAdapter | None, target: LoraTarget, max_rank: int,
 
 def lora_shrink_concat(x: Tensor, a_stack: Tensor, scaling: Tensor, token_slots: Tensor,
                        token_order: Tensor, seg_start: Tensor, counters: Tensor, *, lead: int,
-                       width: int) -> Tensor:
+                       width: int, second: tuple[Tensor, ...] | None = None,
+                       second_lead: int = 0, second_width: int = 0) -> Tensor:
     """Record the concatenated operand ``[x | scaled shrink]`` of a LoRA linear's single GEMM
     (see ``tgraph.ir.ops.lora``).
 
@@ -450,12 +451,18 @@ def lora_shrink_concat(x: Tensor, a_stack: Tensor, scaling: Tensor, token_slots:
             :meth:`tgraph.models.base.lora_features.MultiLoraDecorator.batch_arrays`).
         counters: the feature's zeroed int32 arrival counters.
         lead: zero columns before slot 1's block; width: columns after ``x``.
+        second: a second adapter set's ``(a_stack, scaling, token_slots, token_order, seg_start,
+            counters)``, whose columns follow: ``second_lead`` zero columns, then its slot
+            blocks, up to ``second_width`` columns.
 
     Returns:
-        ``[tokens, in + width]``.
+        ``[tokens, in + width + second_width]``.
     """
-    out = F.record("lora_shrink_concat",
-                   [x, a_stack, scaling, token_slots, token_order, seg_start, counters],
-                   lead=lead, width=width)
+    inputs = [x, a_stack, scaling, token_slots, token_order, seg_start, counters]
+    attrs = {"lead": lead, "width": width}
+    if second is not None:
+        inputs += list(second)
+        attrs.update(second_lead=second_lead, second_width=second_width)
+    out = F.record("lora_shrink_concat", inputs, **attrs)
     assert not isinstance(out, tuple)
     return out

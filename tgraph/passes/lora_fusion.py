@@ -3,7 +3,8 @@
 - ``LoraPrologue``: the RMSNorm that produces a LoRA linear's input and nothing else (before
   q/k/v and gate/up, with or without the residual add) folds into the ``lora_shrink_concat`` that
   reads it (``rms_norm_lora_concat``, ``add_rms_norm_lora_concat``; see ``tgraph.ir.ops.lora``).
-  At decode the norm and the shrink are one launch.
+  At decode the norm and the shrink are one launch. A stacked shrink (single + multi LoRA: two
+  adapter sets, one op) folds the same way: its second set's inputs and layout carry over.
 
 NOTE: the SwiGLU before down_proj is left alone: folded in the same way, every program of the
 shrink recomputes the activation over the whole 8192-wide row, and it measured slower than the

@@ -45,6 +45,15 @@ of ``x`` (in L2), reduces, and writes. The slot-tile kernel's split-K reduction 
 dependent L2 round trips after the wait (partials, ticket, sum): several microseconds per
 launch at decode (docs/performance.md).
 
+Two adapter sets in one launch (stacked LoRA features, :class:`AdapterSet`). The operand may
+hold a second set's columns after the first set's ``width``: ``[x | set 1 | set 2]``, each set
+with its own slots, A, scale and layout, both shrinking the same ``x``. The slot-tile kernel runs
+the second set's tiles (grouped by its own slots) as more programs of the same grid, split as the
+first set alone would be (:func:`lora_concat_splits`), and the per-token kernel its rank chunks
+as more chunks of each token; a program picks its set from its program id, and only the first
+set's programs copy ``x`` (per token: all programs share it). A ``SECOND`` constexpr compiles the
+selection out of one-set launches.
+
 Tokens whose slot is outside ``[0, L)`` belong to no tile: their rows of ``xcat`` are left
 unwritten (checking the values would need a host sync). Callers pass valid slots.
 
@@ -54,6 +63,8 @@ NOTE (PDL): before the PDL wait the kernel reads only the segments, the token or
 workspace, the counters and ``scaling`` are touched after the wait.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -65,9 +76,9 @@ from tgraph.kernels.triton.device_info import sm_count
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 from tgraph.tuning import LoraTuning
 
-__all__ = ["LORA_COUNTERS", "PROLOGUES", "lora_concat_splits", "lora_prologue_concat",
-           "lora_segments", "lora_shrink_concat", "new_lora_counters", "prologue_fits",
-           "rows_overlap"]
+__all__ = ["LORA_COUNTERS", "PROLOGUES", "AdapterSet", "lora_concat_splits",
+           "lora_prologue_concat", "lora_segments", "lora_shrink_concat", "new_lora_counters",
+           "prologue_fits", "rows_overlap"]
 
 _DEFAULT_TUNING = LoraTuning()
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -146,25 +157,54 @@ def _sum_partials(part_tile, mask_t, mask_r, splits,
 
 @triton.jit
 def _shrink_concat_kernel(
-    x_ptr, a_ptr, scale_ptr, order_ptr, seg_ptr, out_ptr, part_ptr, count_ptr,
-    K, R, L, lead, width, k_per_split, splits,
-    stride_xt, stride_al, stride_ar, stride_ot,
-    SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+    x_ptr, a_ptr, scale_ptr, order_ptr, seg_ptr, count_ptr,
+    a2_ptr, scale2_ptr, order2_ptr, seg2_ptr, count2_ptr, out_ptr, part_ptr,
+    K, R, L, lead, width, R2, L2, lead2, width2, tiles1, k_per_split, splits,
+    stride_xt, stride_al, stride_ar, stride_a2l, stride_a2r, stride_ot,
+    SECOND: tl.constexpr, SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_L: tl.constexpr,
     BLOCK_C: tl.constexpr, SPLIT_BLOCK: tl.constexpr, PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_s = tl.program_id(1)
+    # Programs past the first set's tiles run the second set's (SECOND): same x, its own
+    # grouping, A, scale and counters, its columns after the first set's.
+    if SECOND:
+        second = pid >= tiles1
+        tile = tl.where(second, pid - tiles1, pid)
+        a_ptr = tl.where(second, a2_ptr, a_ptr)
+        scale_ptr = tl.where(second, scale2_ptr, scale_ptr)
+        seg_ptr = tl.where(second, seg2_ptr, seg_ptr)
+        count_ptr = tl.where(second, count2_ptr, count_ptr)
+        R = tl.where(second, R2, R)
+        L = tl.where(second, L2, L)
+        lead = tl.where(second, lead2, lead)
+        col0 = tl.where(second, K + width, K)
+        width = tl.where(second, width2, width)
+        stride_al = tl.where(second, stride_a2l, stride_al)
+        stride_ar = tl.where(second, stride_a2r, stride_ar)
+    else:
+        tile = pid
+        col0 = K
     # Before the PDL wait: segments, token order and the first A tile (see the module NOTE).
-    slot, row0, row_end = _tile_of_program(seg_ptr, pid, L, BLOCK_T, BLOCK_L)
+    slot, row0, row_end = _tile_of_program(seg_ptr, tile, L, BLOCK_T, BLOCK_L)
     offs_t = row0 + tl.arange(0, BLOCK_T)
     mask_t = offs_t < row_end  # all false for a program without a tile (row_end 0)
     tok = tl.load(order_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+    if SECOND:
+        # The orders may differ in dtype: loaded apart, not through one selected pointer.
+        tok2 = tl.load(order2_ptr + offs_t, mask=mask_t, other=0).to(tl.int64)
+        tok = tl.where(second, tok2, tok)
     adapted = (slot > 0) & (slot < L)
     offs_r = tl.arange(0, BLOCK_R)
     mask_r = offs_r < R
     k_start = pid_s * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    if SECOND:
+        # Only the first set's programs copy x (a bound: see _write_lora_columns).
+        copy_end = tl.where(second, 0, k_end)
+    else:
+        copy_end = k_end
     a_rows = a_ptr + slot.to(tl.int64) * stride_al + offs_r[:, None] * stride_ar
     # No A rows for slot 0 or no tile (a bound: see _write_lora_columns).
     mask_a = offs_r < tl.where(adapted, R, 0)
@@ -182,7 +222,8 @@ def _shrink_concat_kernel(
             offs_k = k0 + tl.arange(0, BLOCK_K)
             mask_tk = mask_t[:, None] & (offs_k < k_end)[None, :]
             xv = tl.load(x_rows + offs_k[None, :], mask=mask_tk, other=0.0)
-            tl.store(out_rows + offs_k[None, :], xv.to(out_ptr.dtype.element_ty), mask=mask_tk)
+            tl.store(out_rows + offs_k[None, :], xv.to(out_ptr.dtype.element_ty),
+                     mask=mask_t[:, None] & (offs_k < copy_end)[None, :])
             # Slot 0 multiplies zeros (its A mask is empty): no loads, and no branch in the loop.
             if F32_DOT:
                 acc += tl.dot(xv.to(tl.float32), tl.trans(av.to(tl.float32)),
@@ -193,9 +234,9 @@ def _shrink_concat_kernel(
             offs_k += BLOCK_K
             av = tl.load(a_rows + offs_k[None, :], mask=mask_a[:, None] & (offs_k < k_end)[None, :],
                          other=0.0)
-        lora_rows = out_rows + K
+        lora_rows = out_rows + col0
         if slot == 0:
-            # No adapter: zeros in every LoRA column, written once per tile.
+            # No adapter: zeros in every LoRA column of the set, written once per tile.
             if pid_s == 0:
                 _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width,
                                     BLOCK_T, BLOCK_R, BLOCK_C)
@@ -207,7 +248,7 @@ def _shrink_concat_kernel(
             # Every thread's partial is stored before the ticket is taken; the release orders them
             # before the increment, the last program's acquire after it.
             tl.debug_barrier()
-            ticket = tl.atomic_add(count_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel", scope="gpu")
             if ticket == splits - 1:
                 total = _sum_partials(part_tile, mask_t, mask_r, splits,
                                       BLOCK_T, BLOCK_R, SPLIT_BLOCK)
@@ -215,7 +256,7 @@ def _shrink_concat_kernel(
                 _write_lora_columns(lora_rows, mask_t, total, slot, R, lead, width,
                                     BLOCK_T, BLOCK_R, BLOCK_C)
                 # Self-cleaning: the next launch (or graph replay) finds the counter at zero.
-                tl.store(count_ptr + pid, 0)
+                tl.store(count_ptr + tile, 0)
         else:
             acc *= tl.load(scale_ptr + slot).to(tl.float32)
             _write_lora_columns(lora_rows, mask_t, acc, slot, R, lead, width,
@@ -251,23 +292,42 @@ def _x_tile(x_row, r_row, g_ptr, sum_row, offs_k, mask_k, keep, K, eps,
 
 @triton.jit
 def _shrink_rows_kernel(
-    x_ptr, r_ptr, g_ptr, sum_ptr, a_ptr, scale_ptr, slots_ptr, out_ptr,
-    K, R, L, lead, width, eps,
-    stride_xt, stride_rt, stride_st, stride_al, stride_ar, stride_ot,
-    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, r_ptr, g_ptr, sum_ptr, a_ptr, scale_ptr, slots_ptr, a2_ptr, scale2_ptr, slots2_ptr,
+    out_ptr, K, R, L, lead, width, R2, L2, lead2, width2, chunks1, eps,
+    stride_xt, stride_rt, stride_st, stride_al, stride_ar, stride_a2l, stride_a2r, stride_ot,
+    PROLOGUE: tl.constexpr, SECOND: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_L: tl.constexpr, BLOCK_C: tl.constexpr, PDL: tl.constexpr,
 ):
     """Token ``t = program_id(0)``, ranks ``[c * BLOCK_R, +BLOCK_R)`` with ``c = program_id(1)``:
     the shrink values of those ranks in the token's slot block, zeros at the same ranks of every
     other slot block, and a ``1 / num_programs(1)`` slice of the ``x`` copy (and of the sum, for
     ``PROLOGUE_ADD_RMS_NORM``); chunk 0 also zeroes the columns outside the slot blocks. Every
-    program computes the whole ``x`` row it multiplies (see :func:`_x_tile`)."""
+    program computes the whole ``x`` row it multiplies (see :func:`_x_tile`).
+
+    ``SECOND``: chunks ``c >= chunks1`` are chunk ``c - chunks1`` of the second adapter set (its
+    own slots, A, scale and layout), whose columns follow the first set's ``width``."""
     t = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     chunks = tl.num_programs(1)
     # Before the PDL wait: the token's slot (a step input), then its scale and first A tile
     # (adapter state, written only when adapters are loaded or activated, between steps).
     slot = tl.load(slots_ptr + t)
+    if SECOND:
+        second = c >= chunks1
+        # The slots may differ in dtype: loaded apart, not through one selected pointer.
+        slot = tl.where(second, tl.load(slots2_ptr + t).to(tl.int64), slot.to(tl.int64))
+        c = tl.where(second, c - chunks1, c)
+        a_ptr = tl.where(second, a2_ptr, a_ptr)
+        scale_ptr = tl.where(second, scale2_ptr, scale_ptr)
+        R = tl.where(second, R2, R)
+        L = tl.where(second, L2, L)
+        lead = tl.where(second, lead2, lead)
+        col0 = tl.where(second, K + width, K)
+        width = tl.where(second, width2, width)
+        stride_al = tl.where(second, stride_a2l, stride_al)
+        stride_ar = tl.where(second, stride_a2r, stride_ar)
+    else:
+        col0 = K
     adapted = (slot > 0) & (slot < L)
     scale = tl.load(scale_ptr + tl.where(adapted, slot, 0)).to(tl.float32)
     offs_r = c * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -281,8 +341,9 @@ def _shrink_rows_kernel(
     if (slot >= 0) & (slot < L):
         x_row = x_ptr + t * stride_xt
         out_row = out_ptr + t * stride_ot
+        # Every program of the token (both sets') copies a share of x.
         share = tl.cdiv(K, chunks)
-        copy_lo = c * share
+        copy_lo = tl.program_id(1) * share
         copy_hi = copy_lo + share
         acc = tl.zeros((BLOCK_R, BLOCK_K), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -301,7 +362,7 @@ def _shrink_rows_kernel(
         blocks = tl.arange(0, BLOCK_L) + 1
         cols = lead + (blocks[:, None] - 1) * R + offs_r[None, :]
         vals = tl.where(blocks[:, None] == slot, vals[None, :], 0.0)
-        tl.store(out_row + K + cols, vals.to(out_ptr.dtype.element_ty),
+        tl.store(out_row + col0 + cols, vals.to(out_ptr.dtype.element_ty),
                  mask=(blocks < L)[:, None] & (offs_r < R)[None, :])
         if c == 0:
             # The lead columns (another feature's region) and the padding after the last block.
@@ -309,8 +370,8 @@ def _shrink_rows_kernel(
             for c0 in range(0, width, BLOCK_C):
                 pad = c0 + tl.arange(0, BLOCK_C)
                 outside = (pad < lead) | ((pad >= blocks_end) & (pad < width))
-                tl.store(out_row + K + pad, tl.zeros((BLOCK_C,), dtype=out_ptr.dtype.element_ty),
-                         mask=outside)
+                tl.store(out_row + col0 + pad,
+                         tl.zeros((BLOCK_C,), dtype=out_ptr.dtype.element_ty), mask=outside)
 
 
 def lora_segments(token_slots: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -437,7 +498,8 @@ def _split_block(splits: int, block_t: int, block_r: int) -> int:
 
 def lora_concat_splits(num_tokens: int, in_features: int, rank: int, num_slots: int,
                        device: torch.device | str | None = None, max_tiles: int = LORA_COUNTERS,
-                       tuning: LoraTuning = _DEFAULT_TUNING) -> int:
+                       tuning: LoraTuning = _DEFAULT_TUNING, *, second_rank: int = 0,
+                       second_slots: int = 0) -> int:
     """How many K chunks :func:`lora_shrink_concat` of these shapes runs.
 
     Depends on shapes and the SM count only (132 when ``device`` is not CUDA), so a captured
@@ -448,35 +510,119 @@ def lora_concat_splits(num_tokens: int, in_features: int, rank: int, num_slots: 
     arrival counters) runs one split. E.g. 16 tokens, 5 slots (6 tiles): K 2048 gives 8 splits,
     K 8192 gives 32 (rank <= 32) or 16 (rank 48..64): 48..192 programs.
 
+    A second adapter set's tiles run beside the first's at the first set's split count: only the
+    first set's tiles enter the programs-per-SM target (the second's enter the counters bound, and
+    its rank the partials bound). So a stacked launch splits, and sums in fp32, exactly as the
+    one-set launch of the same tokens does (with the same ``BLOCK_R``): the split depends on
+    ``T`` only through the first set's grid, and padding a batch (a captured prefill's bucket)
+    changes it only where it changes the one-set launch's.
+
     Args:
         num_tokens: ``T``.
         in_features: ``K``.
         rank: ``R``, the padded rank of the stack.
         num_slots: ``L``, stacked slots (slot 0 included).
         device: where the kernel runs.
-        max_tiles: the arrival counters available.
+        max_tiles: the arrival counters available (to each adapter set).
         tuning: the launch settings (programs per SM, split bounds).
+        second_rank, second_slots: the second adapter set's ``R`` and ``L``
+            (:class:`AdapterSet`; 0: none); its tiles share the grid at the first set's split.
 
     Returns:
         ``splits >= 1`` (1 when there is nothing to split).
     """
     for name, v in (("num_tokens", num_tokens), ("in_features", in_features), ("rank", rank),
-                    ("num_slots", num_slots), ("max_tiles", max_tiles)):
+                    ("num_slots", num_slots), ("max_tiles", max_tiles),
+                    ("second_rank", second_rank), ("second_slots", second_slots)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ValueError(f"lora_concat_splits: {name} must be a non-negative int, got {v!r}")
-    if min(num_tokens, in_features, rank, num_slots) == 0:
+    if min(num_tokens, in_features, max(rank, second_rank), num_slots) == 0:
         return 1
     block_t = _block_t(num_tokens)
     tiles = _tile_grid(num_tokens, num_slots, block_t)
-    if tiles > max_tiles:
+    tiles2 = _tile_grid(num_tokens, second_slots, block_t) if second_slots else 0
+    if max(tiles, tiles2) > max_tiles:
         return 1
     k_blocks = triton.cdiv(in_features, _block_k(num_tokens, in_features))
-    partial_cap = max(1, _MAX_PARTIALS // (block_t * _block_r(rank)))
+    partial_cap = max(1, _MAX_PARTIALS // (block_t * _block_r(max(rank, second_rank))))
+    # The first set's tiles only: the second set's grid must not move the first set's fp32 sums.
     want = min(triton.cdiv(tuning.programs_per_sm * sm_count(device), tiles),
                max(1, k_blocks // tuning.min_blocks_per_split), tuning.max_splits, partial_cap)
     # Even distribution: no split gets a short or empty range of K blocks.
     per_split = triton.cdiv(k_blocks, want)
     return triton.cdiv(k_blocks, per_split)
+
+
+class AdapterSet(NamedTuple):
+    """A second stack of adapters in the same operand (stacked LoRA features): its LoRA columns
+    follow the first set's ``width`` columns, laid out as the first set's are, with its own
+    slots; every token gets both sets' shrinks of the same ``x``, in one launch.
+
+    Attributes:
+        lora_a: ``[L2, R2, K]`` in ``x``'s dtype.
+        scaling: fp32 ``[L2]``.
+        token_slots: int32/int64 ``[T]`` (0: no adapter of this set).
+        counters: its own zeroed int32 arrival counters (:func:`new_lora_counters`).
+        lead: zero columns before its slot 1's block.
+        segments: ``lora_segments(token_slots, L2)``, computed when omitted.
+    """
+
+    lora_a: torch.Tensor
+    scaling: torch.Tensor
+    token_slots: torch.Tensor
+    counters: torch.Tensor
+    lead: int = 0
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+def _check_layout(fn: str, x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor,
+                  token_slots: torch.Tensor, out: torch.Tensor, lead: int, width: int | None,
+                  second: AdapterSet | None) -> tuple[int, int]:
+    """Check the operand's layout; returns ``(width, width2)``: the first set's LoRA columns and
+    the second's (0 without one)."""
+    T, K = x.shape
+    device = x.device
+    L, R = lora_a.shape[:2]
+    _check_tensor(fn, "out", out, 2, device)
+    if out.dtype != x.dtype:
+        raise TypeError(f"{fn}: out must be {x.dtype} (x's dtype), got {out.dtype}")
+    if not isinstance(lead, int) or lead < 0:
+        raise ValueError(f"{fn}: lead must be a non-negative int, got {lead!r}")
+    need = K + lead + max(L - 1, 0) * R
+    if out.shape[0] != T or out.shape[1] < need:
+        raise ValueError(f"{fn}: out must be [{T}, >= {need}] (K {K} + lead {lead} + (L - 1) * R "
+                         f"{max(L - 1, 0) * R}), got {list(out.shape)}")
+    _check_scaling(fn, scaling, L, device)
+    _check_slots(token_slots, T, device)
+    if second is None:
+        if width is not None and width != out.shape[1] - K:
+            raise ValueError(f"{fn}: width {width} must be out's {out.shape[1] - K} columns after "
+                             "x (without a second adapter set)")
+        return out.shape[1] - K, 0
+    if not isinstance(second, AdapterSet):
+        raise TypeError(f"{fn}: second must be an AdapterSet, got {type(second).__name__}")
+    if not isinstance(width, int) or width < need - K:
+        raise ValueError(f"{fn}: with a second adapter set, width (the first set's columns) must "
+                         f"be an int >= {need - K}, got {width!r}")
+    a2 = second.lora_a
+    _check_tensor(fn, "second.lora_a", a2, 3, device)
+    L2, R2, K2 = a2.shape
+    if K2 != K or a2.dtype != x.dtype:
+        raise ValueError(f"{fn}: second.lora_a must be {x.dtype} [L2, R2, {K}], got {a2.dtype} "
+                         f"{list(a2.shape)}")
+    if not isinstance(second.lead, int) or second.lead < 0:
+        raise ValueError(f"{fn}: second.lead must be a non-negative int, got {second.lead!r}")
+    need2 = K + width + second.lead + max(L2 - 1, 0) * R2
+    if out.shape[1] < need2:
+        raise ValueError(f"{fn}: out must have >= {need2} columns (K {K} + width {width} + "
+                         f"second.lead {second.lead} + (L2 - 1) * R2 {max(L2 - 1, 0) * R2}), "
+                         f"got {list(out.shape)}")
+    _check_scaling(fn, second.scaling, L2, device)
+    _check_slots(second.token_slots, T, device)
+    _check_counters(fn, second.counters, device)
+    if second.segments is not None:
+        _check_segments(second.segments, T, L2, device)
+    return width, out.shape[1] - K - width
 
 
 # ---- launch --------------------------------------------------------------------------------------
@@ -494,20 +640,24 @@ def lora_shrink_concat(
     config: tuple[int, int] | None = None,
     rows: bool | None = None,
     tuning: LoraTuning = _DEFAULT_TUNING,
+    width: int | None = None,
+    second: AdapterSet | None = None,
 ) -> torch.Tensor:
     """``out = [x | xa]``: ``x`` copied, then every token's scaled shrink in its slot's block.
 
     ``out[t, :K] = x[t]``; for ``s = token_slots[t] >= 1``, ``out[t, K + lead + (s-1)*R :][:R] =
     scaling[s] * x[t] @ lora_a[s].T`` (fp32 accumulation, rounded once); every other column of
-    ``out[t, K:]`` is zero. One launch (see the module docstring for the split-K reduction).
+    the first set's ``out[t, K:K + width]`` is zero. With ``second``, its columns
+    ``out[t, K + width:]`` hold the second set's shrink of the same ``x`` in the same layout.
+    One launch (see the module docstring for the split-K reduction).
 
     Args:
         x: ``[T, K]`` activations (fp16/bf16/fp32); rows may be strided.
         lora_a: ``[L, R, K]`` stacked adapters in ``x``'s dtype; ``R`` is the padded rank.
         scaling: fp32 ``[L]`` per-slot scale.
         token_slots: int32/int64 ``[T]`` adapter slot per token (0: no adapter).
-        out: ``[T, K + width]`` in ``x``'s dtype with a unit column stride, ``width >= lead +
-            (L - 1) * R``.
+        out: ``[T, K + width (+ the second set's columns)]`` in ``x``'s dtype with a unit column
+            stride, ``width >= lead + (L - 1) * R``.
         counters: int32 arrival counters, all zero (:func:`new_lora_counters`); left zeroed.
         lead: zero columns between ``x`` and slot 1's block.
         segments: ``lora_segments(token_slots, L)``, computed here when omitted.
@@ -518,6 +668,9 @@ def lora_shrink_concat(
         rows: run the per-token kernel (True) or the slot-tile kernel (False); default: per
             token for up to 64 tokens unless ``splits`` or ``config`` is given (both are
             slot-tile options). ``segments`` and ``counters`` are unused by the per-token kernel.
+        width: the first set's LoRA columns; default (and required without ``second``) every
+            column of ``out`` after ``x``.
+        second: a second adapter set written by the same launch (see :class:`AdapterSet`).
 
     Returns:
         ``out``.
@@ -533,17 +686,7 @@ def lora_shrink_concat(
                          f"got {list(lora_a.shape)}")
     if lora_a.dtype != x.dtype:
         raise TypeError(f"{fn}: lora_a dtype {lora_a.dtype} must match x dtype {x.dtype}")
-    _check_tensor(fn, "out", out, 2, device)
-    if out.dtype != x.dtype:
-        raise TypeError(f"{fn}: out must be {x.dtype} (x's dtype), got {out.dtype}")
-    if not isinstance(lead, int) or lead < 0:
-        raise ValueError(f"{fn}: lead must be a non-negative int, got {lead!r}")
-    need = K + lead + max(L - 1, 0) * R
-    if out.shape[0] != T or out.shape[1] < need:
-        raise ValueError(f"{fn}: out must be [{T}, >= {need}] (K {K} + lead {lead} + (L - 1) * R "
-                         f"{max(L - 1, 0) * R}), got {list(out.shape)}")
-    _check_scaling(fn, scaling, L, device)
-    _check_slots(token_slots, T, device)
+    width, _ = _check_layout(fn, x, lora_a, scaling, token_slots, out, lead, width, second)
     _check_counters(fn, counters, device)
     if splits is not None and (not isinstance(splits, int) or splits < 1):
         raise ValueError(f"{fn}: splits must be a positive int, got {splits!r}")
@@ -557,32 +700,44 @@ def lora_shrink_concat(
         raise ValueError(f"{fn}: splits and config are options of the slot-tile kernel; the "
                          "per-token kernel (rows=True) takes neither")
     if rows:
-        _launch_rows(x, lora_a, scaling, token_slots, out, lead)
+        _launch_rows(x, lora_a, scaling, token_slots, out, lead, width, second)
         return out
     segments = lora_segments(token_slots, L) if segments is None else segments
     order, seg_start = segments
+    L2, R2 = second.lora_a.shape[:2] if second is not None else (0, 0)
+    if second is not None:
+        seg2 = second.segments or lora_segments(second.token_slots, L2)
+        a2, scale2, count2, lead2 = second.lora_a, second.scaling, second.counters, second.lead
+    else:  # unused: the kernel's SECOND branch is compiled out
+        seg2, a2, scale2, count2, lead2 = segments, lora_a, scaling, counters, 0
 
-    block_t, block_r = _block_t(T), _block_r(R)
+    block_t, block_r = _block_t(T), _block_r(max(R, R2))
     block_k, num_warps = config or (_block_k(T, K), _num_warps(block_t, block_r))
     tiles = _tile_grid(T, L, block_t)
+    tiles2 = _tile_grid(T, L2, block_t) if second is not None else 0
+    max_tiles = min(counters.numel(), count2.numel())
     if splits is None:
-        splits = lora_concat_splits(T, K, R, L, device, counters.numel(), tuning)
-    elif splits > 1 and tiles > counters.numel():
-        raise ValueError(f"{fn}: {splits} splits need one counter per tile ({tiles}), got "
-                         f"{counters.numel()} counters")
+        splits = lora_concat_splits(T, K, R, L, device, max_tiles, tuning, second_rank=R2,
+                                    second_slots=L2)
+    elif splits > 1 and max(tiles, tiles2) > max_tiles:
+        raise ValueError(f"{fn}: {splits} splits need one counter per tile "
+                         f"({max(tiles, tiles2)}), got {max_tiles} counters")
     k_per_split = triton.cdiv(triton.cdiv(K, block_k), splits) * block_k
     partials = out
     if splits > 1:
-        partials = torch.empty(tiles * splits * block_t * block_r, dtype=torch.float32,
-                               device=device)
-    _shrink_concat_kernel[(tiles, splits)](
-        x, lora_a, scaling, order, seg_start, out, partials, counters,
-        K, R, L, lead, out.shape[1] - K, k_per_split, splits,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        SPLIT=splits > 1, F32_DOT=_use_f32_dot(x.dtype),
-        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k, BLOCK_L=triton.next_power_of_2(L),
-        BLOCK_C=_BLOCK_C, SPLIT_BLOCK=_split_block(splits, block_t, block_r),
-        num_warps=num_warps, **pdl_kwargs(x),
+        partials = torch.empty((tiles + tiles2) * splits * block_t * block_r,
+                               dtype=torch.float32, device=device)
+    _shrink_concat_kernel[(tiles + tiles2, splits)](
+        x, lora_a, scaling, order, seg_start, counters, a2, scale2, seg2[0], seg2[1], count2,
+        out, partials,
+        K, R, L, lead, width, R2, L2, lead2, out.shape[1] - K - width, tiles, k_per_split, splits,
+        x.stride(0), lora_a.stride(0), lora_a.stride(1), a2.stride(0), a2.stride(1),
+        out.stride(0),
+        SECOND=second is not None, SPLIT=splits > 1, F32_DOT=_use_f32_dot(x.dtype),
+        BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_L=triton.next_power_of_2(max(L, L2)), BLOCK_C=_BLOCK_C,
+        SPLIT_BLOCK=_split_block(splits, block_t, block_r), num_warps=num_warps,
+        **pdl_kwargs(x),
     )
     return out
 
@@ -624,6 +779,8 @@ def lora_prologue_concat(
     summed: torch.Tensor | None = None,
     eps: float | None = None,
     tuning: LoraTuning = _DEFAULT_TUNING,
+    width: int | None = None,
+    second: AdapterSet | None = None,
 ) -> torch.Tensor:
     """``out = [p(x) | xa]`` in one launch: the producer ``p`` of a LoRA linear's input and
     :func:`lora_shrink_concat` of its result (decode batches; see :func:`prologue_fits`).
@@ -635,7 +792,7 @@ def lora_prologue_concat(
     Args:
         prologue: one of :data:`PROLOGUES`.
         x: ``[T, K]`` in ``lora_a``'s dtype, last dim contiguous.
-        lora_a, scaling, token_slots, out, lead: as :func:`lora_shrink_concat`.
+        lora_a, scaling, token_slots, out, lead, width, second: as :func:`lora_shrink_concat`.
         residual: ``[T, K]`` (add_rms_norm).
         norm_weight: ``[K]`` in ``x``'s dtype.
         summed: ``[T, K]`` output of the sum (add_rms_norm); must not overlap ``x`` or
@@ -665,8 +822,7 @@ def lora_prologue_concat(
     if out.dtype != x.dtype or out.shape[0] != T or out.shape[1] < need:
         raise ValueError(f"{fn}: out must be {x.dtype} [{T}, >= {need}], got {out.dtype} "
                          f"{list(out.shape)}")
-    _check_scaling(fn, scaling, L, device)
-    _check_slots(token_slots, T, device)
+    width, _ = _check_layout(fn, x, lora_a, scaling, token_slots, out, lead, width, second)
     if not prologue_fits(prologue, T, K, tuning):
         raise ValueError(f"{fn}: {T} tokens of {K} features is not a decode batch this kernel "
                          f"takes (at most {tuning.rows_max_tokens} tokens of at most "
@@ -688,30 +844,40 @@ def lora_prologue_concat(
     if prologue == "add_rms_norm" and (rows_overlap(summed, x) or rows_overlap(summed, residual)):
         raise ValueError(f"{fn}: summed must not overlap x or residual (every program reads "
                          "the whole rows while the others write their slices of the sum)")
-    _launch_rows(x, lora_a, scaling, token_slots, out, lead, PROLOGUES[prologue], residual,
-                 norm_weight, summed, eps or 0.0)
+    _launch_rows(x, lora_a, scaling, token_slots, out, lead, width, second, PROLOGUES[prologue],
+                 residual, norm_weight, summed, eps or 0.0)
     return out
 
 
 def _launch_rows(x: torch.Tensor, lora_a: torch.Tensor, scaling: torch.Tensor,
-                 token_slots: torch.Tensor, out: torch.Tensor, lead: int,
-                 prologue: int = PROLOGUE_NONE, residual: torch.Tensor | None = None,
-                 norm_weight: torch.Tensor | None = None, summed: torch.Tensor | None = None,
-                 eps: float = 0.0) -> None:
+                 token_slots: torch.Tensor, out: torch.Tensor, lead: int, width: int,
+                 second: AdapterSet | None = None, prologue: int = PROLOGUE_NONE,
+                 residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+                 summed: torch.Tensor | None = None, eps: float = 0.0) -> None:
     """The per-token kernel on checked arguments (see the module docstring); ``x`` is the
     prologue's input."""
     T = x.shape[0]
     L, R, K = lora_a.shape
+    if second is not None:
+        a2, scale2, slots2, lead2 = (second.lora_a, second.scaling, second.token_slots,
+                                     second.lead)
+    else:  # unused: the kernel's SECOND branch is compiled out
+        a2, scale2, slots2, lead2 = lora_a, scaling, token_slots, 0
+    L2, R2 = a2.shape[:2] if second is not None else (0, 0)
     block_k = min(triton.next_power_of_2(K), _ROWS_CHUNK_ELEMS)
-    block_r = max(1, min(triton.next_power_of_2(R), _ROWS_CHUNK_ELEMS // block_k))
+    block_r = max(1, min(triton.next_power_of_2(max(R, R2)), _ROWS_CHUNK_ELEMS // block_k))
+    # At least one chunk per set: with R == 0 (no adapter rank) the x copy and zeros remain.
+    chunks1 = max(1, triton.cdiv(R, block_r))
+    chunks2 = max(1, triton.cdiv(R2, block_r)) if second is not None else 0
     r = residual if residual is not None else x
     s = summed if summed is not None else out
-    # At least one chunk: with R == 0 (no adapter rank) the x copy and zero columns remain.
-    _shrink_rows_kernel[(T, max(1, triton.cdiv(R, block_r)))](
-        x, r, norm_weight if norm_weight is not None else x, s, lora_a, scaling, token_slots, out,
-        K, R, L, lead, out.shape[1] - K, float(eps),
-        x.stride(0), r.stride(0), s.stride(0), lora_a.stride(0), lora_a.stride(1), out.stride(0),
-        PROLOGUE=prologue, BLOCK_R=block_r, BLOCK_K=block_k,
-        BLOCK_L=triton.next_power_of_2(max(L - 1, 1)), BLOCK_C=_BLOCK_C,
+    _shrink_rows_kernel[(T, chunks1 + chunks2)](
+        x, r, norm_weight if norm_weight is not None else x, s, lora_a, scaling, token_slots,
+        a2, scale2, slots2, out,
+        K, R, L, lead, width, R2, L2, lead2, out.shape[1] - K - width, chunks1, float(eps),
+        x.stride(0), r.stride(0), s.stride(0), lora_a.stride(0), lora_a.stride(1),
+        a2.stride(0), a2.stride(1), out.stride(0),
+        PROLOGUE=prologue, SECOND=second is not None, BLOCK_R=block_r, BLOCK_K=block_k,
+        BLOCK_L=triton.next_power_of_2(max(L - 1, L2 - 1, 1)), BLOCK_C=_BLOCK_C,
         num_warps=8 if block_r * block_k >= 4096 else 4, **pdl_kwargs(x),
     )

@@ -18,11 +18,12 @@ whole storage, its shrink writing zeros into multi's columns.
 
 Stacking. The features declare each other compatible: while a single adapter is active and
 requests also name multi-LoRA adapters (``BatchMeta.loras``), the batch runs one engine built for
-both, whose adapted linears apply ``W x + B1 A1 x + B_r A_r x``. Recording chains the features'
-shrinks in storage order (:class:`_LoraLinear`): multi's writes ``[x | multi region]``, and
-single's reads that operand whole, with its A widened by zero columns, and appends its region::
+both, whose adapted linears apply ``W x + B1 A1 x + B_r A_r x``. Recording gives each adapted
+linear one shrink with two adapter sets, in storage order (:class:`_LoraLinear`; see
+``tgraph.ir.ops.lora``): multi's stack and single's A both shrink the same ``x``, in one
+kernel launch (with the RMSNorm before it folded in by ``LoraPrologue``, as for one set)::
 
-    xcat = shrink(shrink(x, A_multi[slot]), [A_single | 0]) = [x | multi region | single region]
+    xcat = lora_shrink_concat(x, <multi set>, <single set>) = [x | multi region | single region]
     y = xcat @ storage.T
 
 still one GEMM on the same storage. Requests that name no multi adapter sit in multi's slot 0 and
@@ -37,7 +38,7 @@ weights as they were.
 Multi-LoRA's A matrices (stacked per slot, every adapter padded to ``max_rank``), each feature's
 per-slot scaling and the shrink kernel's arrival counters are engine *inputs* of fixed shapes in
 resident buffers; single-LoRA's A, like every B, is a weight its engines hold by reference (one
-tensor per operand width it is recorded with, so the stacked engine needs no other inputs).
+tensor per target, shared by the single-LoRA and the stacked engines).
 Loading, activating or unloading an adapter rewrites them and the storage's B columns in place:
 no engine is rebuilt, and captured graphs read the new weights at their next replay. Both
 features pad their per-token arrays for prefill CUDA graphs (pad tokens in multi's slot 0), so
@@ -175,22 +176,16 @@ class _LoraFeature(FeatureDecorator):
             self._gemm_weights[target.key] = weight
         return weight
 
-    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor], before: int) -> Tensor:
-        """The stacked A the shrink of ``target`` reads, for an operand that already holds
-        ``before`` LoRA columns after ``x`` (A's columns past ``in_features`` are zeros)."""
+    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor]) -> Tensor:
+        """The stacked A ``[slots, rank, in_features]`` the shrink of ``target`` reads."""
         raise NotImplementedError
 
-    def shrink(self, target: LoraTarget, xcat: Tensor, inputs: dict[str, Tensor],
-               before: int) -> Tensor:
-        """Record this feature's stage of ``target``'s operand: ``xcat`` (``x`` and the
-        ``before`` LoRA columns of the stages before) followed by the columns up to the end of
-        this feature's region."""
-        bank, p = self.banks[target.key], self.input_prefix
-        return lora_shrink_concat(
-            xcat, self._a_operand(target, inputs, before), inputs[p + "scaling"],
-            inputs[p + "token_slots"], inputs[p + "token_order"], inputs[p + "seg_start"],
-            inputs[p + "counters"], lead=bank.lead(self.name) - before,
-            width=bank.width(self.name) - before)  # (tokens, in + width(self))
+    def adapter_set(self, target: LoraTarget, inputs: dict[str, Tensor]) -> tuple[Tensor, ...]:
+        """This feature's inputs to ``target``'s shrink: ``(a_stack, scaling, token_slots,
+        token_order, seg_start, counters)``."""
+        p = self.input_prefix
+        return (self._a_operand(target, inputs), inputs[p + "scaling"], inputs[p + "token_slots"],
+                inputs[p + "token_order"], inputs[p + "seg_start"], inputs[p + "counters"])
 
     def _wrap(self, inputs: dict[str, Tensor]) -> None:
         """Add this feature's stage to every target linear while recording (a linear that
@@ -215,9 +210,10 @@ class _LoraFeature(FeatureDecorator):
 
 
 class _LoraLinear:
-    """A target linear while a graph with LoRA features is recorded: the features' shrinks
-    chained in storage order into one operand, then one GEMM on the storage up to the last
-    region (two GEMMs on a quantized base), then the linear's all-reduce if it is row-parallel.
+    """A target linear while a graph with LoRA features is recorded: one shrink writes the
+    operand, the features' adapter sets in storage order (two at most: the op's first and
+    second set), then one GEMM on the storage up to the last region (two GEMMs on a quantized
+    base), then the linear's all-reduce if it is row-parallel.
     """
 
     def __init__(self, target: LoraTarget, bank: LoraWeightBank) -> None:
@@ -227,10 +223,22 @@ class _LoraLinear:
     def __call__(self, x: Tensor) -> Tensor:
         linear, bank = self.target.linear, self.bank
         stages = sorted(self.stages, key=lambda stage: bank.lead(stage[0].name))
-        xcat, before = x, 0  # before: LoRA columns of xcat so far
-        for feature, inputs in stages:
-            xcat = feature.shrink(self.target, xcat, inputs, before)
-            before = bank.width(feature.name)
+        if len(stages) > 2:
+            raise ConfigError(f"LoRA: {self.target.key} is adapted by {len(stages)} features; "
+                              "one shrink takes two adapter sets at most")
+        (head, head_inputs), *rest = stages
+        end = bank.width(head.name)  # LoRA columns of the first set
+        second = {}
+        if rest:
+            # The second set's columns follow the first's region, laid out as in the storage.
+            feature, inputs = rest[0]
+            second = dict(second=feature.adapter_set(self.target, inputs),
+                          second_lead=bank.lead(feature.name) - end,
+                          second_width=bank.width(feature.name) - end)
+        xcat = lora_shrink_concat(x, *head.adapter_set(self.target, head_inputs),
+                                  lead=bank.lead(head.name), width=end,
+                                  **second)  # (tokens, in + LoRA columns up to the last region)
+        before = bank.width(stages[-1][0].name)  # LoRA columns of xcat
         weight = stages[-1][0]._gemm_weight(self.target)
         if bank.quantized:  # the packed base weight and the dense B columns: two GEMMs
             k = linear.in_features
@@ -367,8 +375,8 @@ class SingleLoraDecorator(_LoraFeature):
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.active: str | None = None
         self._resident: dict[str, torch.Tensor] | None = None
-        # target key -> LoRA columns before this stage -> A weight [2, width, in + columns]
-        self._a: dict[str, dict[int, Parameter]] = {}
+        # target key -> A weight [2, width, in_features] (slot 1: the active adapter's)
+        self._a: dict[str, Parameter] = {}
 
     def region_width(self, target: LoraTarget) -> int:
         return aligned_width(target.width(self.max_rank))
@@ -409,24 +417,21 @@ class SingleLoraDecorator(_LoraFeature):
 
     def _copy_in(self, name: str) -> None:
         for t in self.targets:
-            a = self.adapters[name][f"lora_a_{t.key}"]
-            for weight in self._a.get(t.key, {}).values():
-                weight.data[1, :, :t.in_features].copy_(a)
+            weight = self._a.get(t.key)
+            if weight is not None:
+                weight.data[1].copy_(self.adapters[name][f"lora_a_{t.key}"])
             b = self.adapters[name][f"lora_b_{t.key}"]
             self.banks[t.key].region(self.name)[:, :b.shape[1]].copy_(b)
 
-    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor], before: int) -> Tensor:
-        by_width = self._a.setdefault(target.key, {})
-        weight = by_width.get(before)
+    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor]) -> Tensor:
+        weight = self._a.get(target.key)
         if weight is None:
-            data = torch.zeros(2, target.width(self.max_rank), target.in_features + before,
+            data = torch.zeros(2, target.width(self.max_rank), target.in_features,
                                dtype=self._dtype, device=self._device)
             if self.active is not None:
-                data[1, :, :target.in_features].copy_(
-                    self.adapters[self.active][f"lora_a_{target.key}"])
-            suffix = f"_after{before}" if before else ""
-            weight = Parameter(data, name=f"{self.name}.{target.key}.lora_a{suffix}")
-            by_width[before] = weight
+                data[1].copy_(self.adapters[self.active][f"lora_a_{target.key}"])
+            weight = Parameter(data, name=f"{self.name}.{target.key}.lora_a")
+            self._a[target.key] = weight
         return weight
 
     def unload(self, name: str) -> None:
@@ -558,10 +563,7 @@ class MultiLoraDecorator(_LoraFeature):
                                   (self.num_slots, t.width(self.max_rank), t.in_features))
         return inputs
 
-    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor], before: int) -> Tensor:
-        if before:  # its region comes first (bank_order 0): its shrink always reads x itself
-            raise ConfigError(f"multi_lora: its shrink must come first in {target.key}'s "
-                              f"operand, got {before} LoRA columns before it")
+    def _a_operand(self, target: LoraTarget, inputs: dict[str, Tensor]) -> Tensor:
         return inputs[f"lora_a_stack_{target.key}"]
 
     def is_used(self, batch: BatchMeta) -> bool:
