@@ -14,7 +14,7 @@ from tgraph.ir.network import Network
 from tgraph.ir.node import Node
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import recording
-from tgraph.passes.manager import Pass
+from tgraph.passes.manager import Pass, rewrite_each
 from tgraph.passes.pattern import Match, Pattern, PatternPass
 
 
@@ -57,11 +57,7 @@ class RopeAttention(Pass):
     name = "RopeAttention"
 
     def run(self, net: Network) -> int:
-        count = 0
-        for node in list(net.nodes):
-            if node.op == "paged_attention" and net.contains(node):
-                count += self._fuse(net, node)
-        return count
+        return rewrite_each(net, "paged_attention", self._fuse)
 
     @staticmethod
     def _fuse(net: Network, attn: Node) -> int:
@@ -93,11 +89,7 @@ class QkNormAttention(Pass):
     name = "QkNormAttention"
 
     def run(self, net: Network) -> int:
-        count = 0
-        for node in list(net.nodes):
-            if node.op == "rope_cache_attention" and net.contains(node):
-                count += self._fuse(net, node)
-        return count
+        return rewrite_each(net, "rope_cache_attention", self._fuse)
 
     @staticmethod
     def _norm_of(net: Network, value, attn: Node) -> Node | None:

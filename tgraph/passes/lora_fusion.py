@@ -17,7 +17,7 @@ from tgraph.ir.node import Node
 from tgraph.ir.value import Value
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import recording
-from tgraph.passes.manager import Pass
+from tgraph.passes.manager import Pass, rewrite_each
 
 # producer op -> the fused op (which takes the producer's inputs, then the shrink's LoRA inputs)
 _FUSED = {"rms_norm": "rms_norm_lora_concat", "add_rms_norm": "add_rms_norm_lora_concat"}
@@ -32,11 +32,7 @@ class LoraPrologue(Pass):
     name = "LoraPrologue"
 
     def run(self, net: Network) -> int:
-        count = 0
-        for node in list(net.nodes):
-            if node.op == "lora_shrink_concat" and net.contains(node):
-                count += self._fuse(net, node)
-        return count
+        return rewrite_each(net, "lora_shrink_concat", self._fuse)
 
     @staticmethod
     def _fusable(net: Network, x: Value) -> Node | None:

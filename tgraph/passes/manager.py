@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from tgraph.errors import PassError
 from tgraph.ir.network import Network
+from tgraph.ir.node import Node
 
 logger = logging.getLogger("tgraph.passes")
 
@@ -24,6 +25,16 @@ class Pass:
 
     def __repr__(self) -> str:
         return f"<Pass {self.name}>"
+
+
+def rewrite_each(net: Network, op: str, rewrite: Callable[[Network, Node], int]) -> int:
+    """``rewrite(net, node)`` for every ``op`` node still in ``net`` when its turn comes (an
+    earlier rewrite may have removed it); the sum of what the rewrites return."""
+    count = 0
+    for node in list(net.nodes):
+        if node.op == op and net.contains(node):
+            count += rewrite(net, node)
+    return count
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from tgraph.ir.network import Network
 from tgraph.ir.node import Node
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import recording
-from tgraph.passes.manager import Pass
+from tgraph.passes.manager import Pass, rewrite_each
 
 
 class MoeAddRmsNorm(Pass):
@@ -20,11 +20,7 @@ class MoeAddRmsNorm(Pass):
     name = "MoeAddRmsNorm"
 
     def run(self, net: Network) -> int:
-        count = 0
-        for node in list(net.nodes):
-            if node.op == "add_rms_norm" and net.contains(node):
-                count += self._fuse(net, node)
-        return count
+        return rewrite_each(net, "add_rms_norm", self._fuse)
 
     @staticmethod
     def _fuse(net: Network, node: Node) -> int:

@@ -13,7 +13,7 @@ from tgraph.ir.node import Node
 from tgraph.ir.value import Value
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import recording
-from tgraph.passes.manager import Pass
+from tgraph.passes.manager import Pass, rewrite_each
 from tgraph.passes.pattern import Match, Pattern, PatternPass
 
 
@@ -68,17 +68,9 @@ class NormLinear(Pass):
     name = "NormLinear"
 
     def run(self, net: Network) -> int:
-        count = 0
-        for node in list(net.nodes):
-            if node.op == "add_rms_norm" and net.contains(node):
-                count += self._split_add(net, node)
-        for node in list(net.nodes):
-            if node.op == "rms_norm" and net.contains(node):
-                count += self._fuse_norm(net, node)
-        for node in list(net.nodes):
-            if node.op == "swiglu" and net.contains(node):
-                count += self._fuse_gate(net, node)
-        return count
+        return (rewrite_each(net, "add_rms_norm", self._split_add)
+                + rewrite_each(net, "rms_norm", self._fuse_norm)
+                + rewrite_each(net, "swiglu", self._fuse_gate))
 
     @staticmethod
     def _norm_ok(net: Network, x: Value, weight: Value | None, normed: Value) -> bool:
