@@ -262,6 +262,11 @@ class CpuTuning(_Section):
         256, "a step program's bound kernel keeps the scratch it made (rope's rotated q|k, the "
              "gate|up rows) up to this size, one per layer; a larger one (prefill) is made at "
              "each call")
+    serial_attention_scores: int = knob(
+        65536, "decode attention with at most this many scores (query heads x keys, summed "
+               "over the batch) runs on the calling thread alone: a parallel region for so "
+               "little work costs more than it saves, most of all while other processes hold "
+               "the cores", minimum=0)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ import torch
 from tests.ir.test_ops import OP_INFOS, SHORT, OpInfo, check_samples
 from tgraph.ir.network import Network
 from tgraph.ir.ops import get_op
-from tgraph.kernels.cpu_backend import attention, core
+from tgraph.kernels.cpu_backend import attention, common, core
 from tgraph.nn import functional as F
 from tgraph.nn.network_manager import get_default_net
 from tgraph.nn.tensor import Tensor
@@ -63,6 +63,30 @@ def test_auto_picks_the_cpu_backend_with_an_arena() -> None:
     _close(got, xs @ w.t(), "linear")
 
 
+@pytest.mark.parametrize("rows", [1, 4, 300])  # held scratch, and a prefill's torch.rms_norm
+def test_rms_norm_is_the_references_bits_in_place_and_without_weight(rows: int) -> None:
+    g = _gen(3)
+    x, w = torch.randn(rows, 576, generator=g) * 10, torch.randn(576, generator=g)
+    for weight in (w, None):
+        want = get_op("rms_norm").reference(x, weight, eps=1e-5)
+        out = torch.empty_like(x)
+        core.rms_norm_into([out], x, weight, eps=1e-5)
+        assert torch.equal(out, want)
+        same = x.clone()
+        core.rms_norm_into([same], same, weight, eps=1e-5)  # the output is the input's memory
+        assert torch.equal(same, want)
+
+
+def test_serial_runs_on_one_thread_and_restores_the_count() -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert common.serial(torch.get_num_threads) == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_norms_rope_swiglu_are_the_references_bits(interleaved: bool) -> None:
     g = _gen(1)
@@ -94,6 +118,7 @@ def _cache(num_blocks: int, block: int, heads: int, dim: int, seed: int
             torch.randn(num_blocks, block, heads, dim, generator=g))
 
 
+@pytest.mark.parametrize("serial_scores", [0, 65536])  # on torch's threads, on this one alone
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("tables", [
     [[3, 4, 5, 0]],                       # one run of consecutive blocks: read as one view
@@ -101,15 +126,19 @@ def _cache(num_blocks: int, block: int, heads: int, dim: int, seed: int
     [[7, 2, 3, 0], [1, 6, 0, 0]],          # several sequences: gathered, padded and masked
 ])
 def test_decode_attention_reads_the_cache_in_place(tables: list[list[int]],
-                                                   window: int | None) -> None:
+                                                   window: int | None,
+                                                   serial_scores: int) -> None:
     k_cache, v_cache = _cache(8, 4, 2, 16, seed=2)
     batch = len(tables)
     q = torch.randn(batch, 6, 16, generator=_gen(3))
     block_table = torch.tensor(tables, dtype=torch.int32)
     seq_len = torch.tensor([11, 7][:batch], dtype=torch.int32)
     out = torch.empty_like(q)
+    tuning = Tuning()
+    tuning = dataclasses.replace(tuning, cpu=dataclasses.replace(
+        tuning.cpu, serial_attention_scores=serial_scores))
     core.paged_attention_into([out], q, k_cache, v_cache, block_table, seq_len, scale=0.3,
-                              sliding_window=window)
+                              sliding_window=window, tuning=tuning)
     want = get_op("paged_attention").reference(q, k_cache, v_cache, block_table, seq_len,
                                                scale=0.3, sliding_window=window)
     _close(out, want, "decode attention")

@@ -28,6 +28,7 @@ from tgraph.kernels.cpu_backend.common import (
     held_or_per_call,
     reference_thunk,
     returning,
+    serial,
 )
 from tgraph.kernels.triton_backend.common import Outs
 from tgraph.tuning import Tuning
@@ -35,6 +36,7 @@ from tgraph.tuning import Tuning
 __all__ = ["paged_attention_into", "reshape_and_cache_into", "rope_cache_attention_into",
            "rope_cache_into", "rope_into"]
 
+_DEFAULT_TUNING = Tuning()
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
 
@@ -245,6 +247,7 @@ class _Layout:
         self.seqs = seqs
         self.decode = all(e - s == 1 and s == b and n_keys > 0
                           for b, (s, e, n_keys, _) in enumerate(seqs))
+        self.keys = sum(seq[2] for seq in seqs)
         self._gathers: dict[int | None, tuple[torch.Tensor, torch.Tensor | None, int]] = {}
 
     def pieces(self, seq: _Seq, window: int | None) -> list[tuple[int, int]]:
@@ -378,10 +381,12 @@ def _attention_ok(q, k_cache, v_cache) -> bool:
 def _bind_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: torch.Tensor,
                     query_start_loc: torch.Tensor | None, scale: float | None,
-                    sliding_window: int | None) -> Thunk:
+                    sliding_window: int | None, tuning: Tuning | None) -> Thunk:
     """``out [tokens, hq, d]`` = each sequence's queries attending to its cached keys. A decode
     step reads one sequence's keys in place when they are one run, else gathers every
-    sequence's keys (padded to the longest, the padding masked) for one fused call."""
+    sequence's keys (padded to the longest, the padding masked) for one fused call; a small
+    one runs on one thread (``CpuTuning.serial_attention_scores``)."""
+    serial_keys = (tuning or _DEFAULT_TUNING).cpu.serial_attention_scores // q.shape[1]
     tokens, hq, d = q.shape
     block_size, hk = k_cache.shape[1], k_cache.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -402,9 +407,13 @@ def _bind_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
         if layout.decode and len(seqs) == tokens:
             pieces = layout.pieces(seqs[0], sliding_window) if tokens == 1 else None
             if pieces is not None and len(pieces) == 1:
-                _decode(out4, q4, k_cache, v_cache, pieces, scale)
+                attend = functools.partial(_decode, out4, q4, k_cache, v_cache, pieces, scale)
             else:
-                gathered(layout)
+                attend = functools.partial(gathered, layout)
+            if layout.keys <= serial_keys:
+                serial(attend)
+            else:
+                attend()
             return
         for seq in seqs:
             s, e, n_keys, _ = seq
@@ -421,22 +430,23 @@ def _bind_attention(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor,
 
 def bind_paged_attention(outs: Outs, q, k_cache, v_cache, block_table, seq_len,
                          query_start_loc=None, k_new=None, v_new=None, *, scale=None,
-                         sliding_window=None) -> Thunk:
+                         sliding_window=None, tuning: Tuning | None = None) -> Thunk:
     if not (_attention_ok(q, k_cache, v_cache) and outs[0].is_contiguous()):
         return reference_thunk("paged_attention", outs, q, k_cache, v_cache, block_table,
                                seq_len, query_start_loc, k_new, v_new, scale=scale,
                                sliding_window=sliding_window)
     return returning(_bind_attention(outs[0], q, k_cache, v_cache, block_table, seq_len,
-                                     query_start_loc, scale, sliding_window), outs[0])
+                                     query_start_loc, scale, sliding_window, tuning), outs[0])
 
 
 def _bind_rope_cache_attention(outs: Outs, q, k, v, cos, sin, k_cache, v_cache,
                                slots_mapping, block_table, seq_len, interleaved: bool,
-                               scale: float | None, sliding_window: int | None) -> Thunk:
+                               scale: float | None, sliding_window: int | None,
+                               tuning: Tuning | None) -> Thunk:
     rotate, q_rot, k_rot = _bind_rotated(q, k, cos, sin, interleaved)
     store = _bind_store(k_cache, v_cache, k_rot, v, slots_mapping)
     attend = _bind_attention(outs[0], q_rot, k_cache, v_cache, block_table, seq_len, None,
-                             scale, sliding_window)
+                             scale, sliding_window, tuning)
 
     def run() -> None:
         rotate()
@@ -457,7 +467,7 @@ def bind_rope_cache_attention(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, s
     return held_or_per_call(
         functools.partial(_bind_rope_cache_attention, outs, q, k, v, cos, sin, k_cache, v_cache,
                           slots_mapping, block_table, seq_len, interleaved, scale,
-                          sliding_window), _scratch_bytes(q, k), tuning)
+                          sliding_window, tuning), _scratch_bytes(q, k), tuning)
 
 
 rope_into = BoundKernel(bind_rope)

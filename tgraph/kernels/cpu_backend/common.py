@@ -20,7 +20,7 @@ from tgraph.kernels.triton_backend.common import Outs, reference_into
 from tgraph.tuning import Tuning
 
 __all__ = ["F32", "BoundKernel", "Thunk", "as_rows", "fp32", "held_or_per_call",
-           "reference_thunk", "returning"]
+           "reference_thunk", "returning", "serial"]
 
 F32 = torch.float32
 Thunk = Callable[[], Any]
@@ -84,3 +84,16 @@ def fp32(*ts: torch.Tensor | None) -> bool:
         if t is not None and t.dtype != F32:
             return False
     return True
+
+
+def serial(run: Callable[[], Any]) -> Any:
+    """``run()`` with torch's intra-op threads set to one on this thread (OpenMP's and MKL's
+    thread counts are per calling thread), then set back."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        return run()
+    torch.set_num_threads(1)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(threads)

@@ -52,33 +52,61 @@ Matmul = Callable[[torch.Tensor], None]
 
 
 # ---- norms and SwiGLU -----------------------------------------------------------------------
-# NOTE: on fp32 rows torch.rms_norm runs the reference's operations in its order (``weight * (x *
-# rsqrt(mean(x^2) + eps))``, the same bits) in one call.
-def bind_rms_norm(outs: Outs, x, weight=None, *, eps) -> Thunk:
+# NOTE: the reference's operations in its order (``weight * (x * rsqrt(mean(x^2) + eps))``, what
+# torch.rms_norm runs on fp32 rows too: the same bits), each written into held memory: six calls
+# where torch.rms_norm makes ~15 (casts, allocations), each of which pays for caches that the
+# step's weight streams have just flushed.
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the byte spans of ``a`` and ``b`` intersect."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _bind_rms(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None, eps: float,
+              tuning: Tuning | None) -> Callable[[], None]:
+    """``out2 = rms_norm(x2)`` for fp32 ``[M, N]`` rows (``out2`` may be ``x2``)."""
+    rows, n = x2.shape
+    cpu = (tuning or _DEFAULT_TUNING).cpu
+    if rows * n * 4 > cpu.held_scratch_kb * 1024:  # a prefill: the one call, no held scratch
+        shape = (n,)
+        return lambda: out2.copy_(torch.rms_norm(x2, shape, weight, eps))
+    inv = torch.empty(rows, 1, dtype=F32)
+    # out2 holds the squares unless it overlaps x2
+    squares = torch.empty(rows, n, dtype=F32) if _overlap(out2, x2) else out2
+
+    def run() -> None:
+        torch.mul(x2, x2, out=squares)
+        torch.mean(squares, -1, keepdim=True, out=inv)
+        inv.add_(eps).rsqrt_()
+        torch.mul(x2, inv, out=out2)
+        if weight is not None:
+            out2.mul_(weight)
+    return run
+
+
+def bind_rms_norm(outs: Outs, x, weight=None, *, eps, tuning: Tuning | None = None) -> Thunk:
     x2 = as_rows(x)
     if x2 is None or not fp32(x, weight):
         return reference_thunk("rms_norm", outs, x, weight, eps=eps)
     out = outs[0]
-    out2, shape = out.view(-1, x.shape[-1]), (x.shape[-1],)
-
-    def run() -> torch.Tensor:
-        out2.copy_(torch.rms_norm(x2, shape, weight, eps))
-        return out
-    return run
+    return returning(_bind_rms(out.view(-1, x.shape[-1]), x2, weight, eps, tuning), out)
 
 
-def bind_add_rms_norm(outs: Outs, x, residual, weight, *, eps) -> Thunk:
+def bind_add_rms_norm(outs: Outs, x, residual, weight, *, eps,
+                      tuning: Tuning | None = None) -> Thunk:
     if not fp32(x, residual, weight) or residual.shape != x.shape:
         return reference_thunk("add_rms_norm", outs, x, residual, weight, eps=eps)
     normed, summed = outs[0], outs[1]
     n = x.shape[-1]
-    normed2, summed2, shape = normed.view(-1, n), summed.view(-1, n), (n,)
+    norm = _bind_rms(normed.view(-1, n), summed.view(-1, n), weight, eps, tuning)
 
-    def run() -> tuple[torch.Tensor, torch.Tensor]:
+    def run() -> None:
         torch.add(x, residual, out=summed)
-        normed2.copy_(torch.rms_norm(summed2, shape, weight, eps))
-        return normed, summed
-    return run
+        norm()
+    return returning(run, (normed, summed))
 
 
 def _bind_swiglu(out2: torch.Tensor, gate_up2: torch.Tensor) -> Thunk:
@@ -218,20 +246,24 @@ def bind_linear_epilogue(outs: Outs, x, w, bias=None, residual=None, *, tuning: 
 def _bind_norm_linear(outs: Outs, x2: torch.Tensor, norm_weight, w, bias, tuning: Tuning,
                       eps: float, act: str | None) -> Thunk:
     out = outs[0]
-    out2, shape = out.view(-1, out.shape[-1]), (x2.shape[-1],)
+    out2 = out.view(-1, out.shape[-1])
+    # the normed rows are M x K (one token's worth at decode): a small scratch
+    normed = torch.empty(x2.shape, dtype=F32)
+    norm = _bind_rms(normed, x2, norm_weight, eps, tuning)
     if act is None:
         mm = _bind_matmul(out2, w, bias, None, True, tuning)
 
         def run() -> None:
-            # the normed rows are M x K (one token's worth at decode): a free scratch
-            mm(torch.rms_norm(x2, shape, norm_weight, eps))
+            norm()
+            mm(normed)
         return returning(run, out)
     gate_up = torch.empty(x2.shape[0], w.shape[0], dtype=F32)
     mm = _bind_matmul(gate_up, w, bias, None, True, tuning)
     swiglu = _bind_swiglu(out2, gate_up)
 
     def run_gated() -> None:
-        mm(torch.rms_norm(x2, shape, norm_weight, eps))
+        norm()
+        mm(normed)
         swiglu()
     return returning(run_gated, out)
 
@@ -241,7 +273,9 @@ def bind_norm_linear(outs: Outs, x, norm_weight, w, bias=None, *, tuning: Tuning
     x2 = as_rows(x)
     if x2 is None or not (_linear_ok(x, w, bias) and fp32(norm_weight)):
         return reference_thunk("norm_linear", outs, x, norm_weight, w, bias, eps=eps, act=act)
-    scratch = 0 if act is None else x2.shape[0] * w.shape[0] * 4  # the gate|up rows
+    scratch = x2.numel() * 4  # the normed rows
+    if act is not None:
+        scratch += x2.shape[0] * w.shape[0] * 4  # the gate|up rows
     return held_or_per_call(functools.partial(_bind_norm_linear, outs, x2, norm_weight, w, bias,
                                               tuning, eps, act), scratch, tuning)
 
@@ -269,15 +303,15 @@ KERNELS = (
     # call); tried before the kernel entry below.
     KernelSpec("linear", reference_into("linear"), supports=lambda n: n.attrs.get("impl")
                == "reference", name="torch.linear"),
-    KernelSpec("rms_norm", rms_norm_into),
-    KernelSpec("add_rms_norm", add_rms_norm_into),
+    KernelSpec("rms_norm", rms_norm_into, tuned=True),
+    KernelSpec("add_rms_norm", add_rms_norm_into, tuned=True),
     KernelSpec("swiglu", swiglu_into),
     KernelSpec("embedding", embedding_into),
     KernelSpec("rope", rope_into, tuned=True),
     KernelSpec("reshape_and_cache", reshape_and_cache_into),
     KernelSpec("rope_cache", rope_cache_into, tuned=True),
     KernelSpec("rope_cache_attention", rope_cache_attention_into, tuned=True),
-    KernelSpec("paged_attention", paged_attention_into),
+    KernelSpec("paged_attention", paged_attention_into, tuned=True),
     KernelSpec("linear", linear_into, tuned=True),
     KernelSpec("linear_epilogue", linear_epilogue_into, tuned=True),
     KernelSpec("norm_linear", norm_linear_into, tuned=True),

@@ -25,8 +25,8 @@ def bind_qk_norm_rope_cache_attention(outs: Outs, q, k, v, q_weight, k_weight, c
                                k_weight, cos, sin, k_cache, v_cache, slots_mapping, block_table,
                                seq_len, eps=eps, **attrs)
     q_n, k_n = torch.empty(q.shape, dtype=q.dtype), torch.empty(k.shape, dtype=k.dtype)
-    norm_q = bind_rms_norm((q_n,), q, q_weight, eps=eps)
-    norm_k = bind_rms_norm((k_n,), k, k_weight, eps=eps)
+    norm_q = bind_rms_norm((q_n,), q, q_weight, eps=eps, tuning=tuning)
+    norm_k = bind_rms_norm((k_n,), k, k_weight, eps=eps, tuning=tuning)
     attend = bind_rope_cache_attention(outs, q_n, k_n, v, cos, sin, k_cache, v_cache,
                                        slots_mapping, block_table, seq_len, tuning=tuning,
                                        **attrs)
