@@ -16,6 +16,7 @@ import torch
 
 from tgraph.ir.ops.lora import add_rms_norm_lora_concat_reference, rms_norm_lora_concat_reference
 from tgraph.kernels.triton import lora as lora_kernels
+from tgraph.kernels.triton import lora_rows
 from tgraph.kernels.triton.lora import lora_prologue_concat, lora_segments, new_lora_counters
 from tgraph.kernels.triton_backend.lora import (
     add_rms_norm_lora_concat_into,
@@ -94,7 +95,7 @@ def test_one_launch_matches_the_composed_reference(prologue, dtype, T):
 
 def test_rows_longer_than_a_chunk_are_refused(monkeypatch):
     # The norm needs the whole row in one program: longer rows take the two-launch path.
-    monkeypatch.setattr(lora_kernels, "_ROWS_CHUNK_ELEMS", 64)
+    monkeypatch.setattr(lora_rows, "_ROWS_CHUNK_ELEMS", 64)
     K, R, L = 200, 4, 3
     out = torch.full((5, K + (L - 1) * R), float("nan"), device=DEV)
     assert not lora_kernels.prologue_fits("rms_norm", 5, K)

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.helpers import capture_cuda_graph
-from tgraph.kernels.triton import lora as lora_kernels
+from tgraph.kernels.triton import lora_rows, lora_tile
 from tgraph.kernels.triton.lora import (
     LORA_COUNTERS,
     lora_concat_splits,
@@ -114,7 +114,7 @@ def test_per_token_kernel_matches_reference(dtype, T, chunk_elems, R, monkeypatc
     # The decode path: one program per (token, rank chunk). K 600 in one 1024-wide tile (ranks
     # in chunks of 8: two chunks for R 12), or in 256-wide tiles (chunks of one rank: the loop
     # and its A tiles loaded after the wait). Lead 5 and 3 trailing pad columns, slot 3 unused.
-    monkeypatch.setattr(lora_kernels, "_ROWS_CHUNK_ELEMS", chunk_elems)
+    monkeypatch.setattr(lora_rows, "_ROWS_CHUNK_ELEMS", chunk_elems)
     K, L, lead = 600, 5, 5
     width = lead + (L - 1) * R + 3
     slots = torch.tensor([[0, 1, 2, 4][i % 4] for i in range(T)], dtype=torch.int32, device=DEV)
@@ -126,7 +126,7 @@ def test_per_token_kernel_matches_reference(dtype, T, chunk_elems, R, monkeypatc
 
 def test_decode_batches_take_the_per_token_kernel(monkeypatch):
     launched = []
-    monkeypatch.setattr(lora_kernels, "_launch_rows",
+    monkeypatch.setattr(lora_tile, "launch_rows",
                         lambda *args: launched.append(args[0].shape[0]))
     T, K, R, L = 16, 64, 8, 3
     x, a, scaling, slots = _case(T, K, R, L, torch.float32)
@@ -320,9 +320,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from tgraph.kernels.triton import lora
+from tgraph.kernels.triton import lora_common, lora_rows, lora_tile
 
-fn = lora._shrink_concat_kernel
+fn = lora_tile._shrink_concat_kernel
 PTRS = {"scale_ptr": "*fp32", "order_ptr": "*i32", "seg_ptr": "*i32", "part_ptr": "*fp32",
         "count_ptr": "*i32", "scale2_ptr": "*fp32", "seg2_ptr": "*i32", "count2_ptr": "*i32"}
 # What the wrapper launches: decode (split, 16-token tiles) and prefill (no split, 64-token
@@ -333,10 +333,11 @@ for dtype, split, block_t, block_r in (("bf16", True, 16, 64), ("bf16", False, 6
                                        ("fp16", True, 16, 16), ("fp32", True, 16, 32),
                                        ("bf16", False, 64, 256)):
     for second, order2 in ((False, "*i32"), (True, "*i32"), (True, "*i64")):
+        block_k = lora_tile._block_k(16 if block_t == 16 else 4096, 4096)
         consts = dict(SECOND=second, SPLIT=split, F32_DOT=dtype == "fp32", BLOCK_T=block_t,
-                      BLOCK_R=block_r, BLOCK_K=lora._block_k(16 if block_t == 16 else 4096, 4096),
-                      BLOCK_L=8, BLOCK_C=lora._BLOCK_C,
-                      SPLIT_BLOCK=lora._split_block(16 if split else 1, block_t, block_r),
+                      BLOCK_R=block_r, BLOCK_K=block_k,
+                      BLOCK_L=8, BLOCK_C=lora_common.ZERO_CHUNK,
+                      SPLIT_BLOCK=lora_tile._split_block(16 if split else 1, block_t, block_r),
                       PDL=True)
         sig, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
@@ -352,13 +353,13 @@ for dtype, split, block_t, block_r in (("bf16", True, 16, 64), ("bf16", False, 6
                        options={"num_warps": warps})
 # The per-token decode kernel: K 2048 (chunks of 4 ranks) and 8192 (one rank), bf16 and fp32,
 # plain and with the norm folded in (RMSNorm, add + RMSNorm); one adapter set or two.
-fn = lora._shrink_rows_kernel
+fn = lora_rows._shrink_rows_kernel
 for dtype, block_r, block_k, prologue in (("bf16", 4, 2048, 0), ("bf16", 1, 8192, 0),
                                           ("fp32", 8, 1024, 0), ("bf16", 4, 2048, 1),
                                           ("bf16", 2, 4096, 2), ("fp16", 4, 2048, 2)):
     for second, slots2 in ((False, "*i32"), (True, "*i32"), (True, "*i64")):
         consts = dict(PROLOGUE=prologue, SECOND=second, BLOCK_R=block_r, BLOCK_K=block_k,
-                      BLOCK_L=4, BLOCK_C=lora._BLOCK_C, PDL=True)
+                      BLOCK_L=4, BLOCK_C=lora_common.ZERO_CHUNK, PDL=True)
         sig, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in consts:

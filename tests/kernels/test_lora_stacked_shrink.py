@@ -21,6 +21,7 @@ from tgraph.ir.ops.lora import (
     rms_norm_lora_concat_reference,
 )
 from tgraph.kernels.triton import lora as lora_kernels
+from tgraph.kernels.triton import lora_tile
 from tgraph.kernels.triton.lora import (
     AdapterSet,
     lora_concat_splits,
@@ -171,7 +172,7 @@ def test_padding_the_batch_leaves_the_real_rows_bit_identical(monkeypatch):
     # slot 1, as the features pad); the second set's grid grows with the pad tokens. With 14 SMs
     # the one-set launch splits K 4 ways at 20 and at 32 tokens, while counting both sets' tiles
     # would split 4 and 3 ways: fp32 partials summed in another grouping, other bits.
-    monkeypatch.setattr(lora_kernels, "sm_count", lambda device: 14)
+    monkeypatch.setattr(lora_tile, "sm_count", lambda device: 14)
     k, real, padded = 1024, 20, 32
     c = _case(padded, torch.float32, k=k)
     c["slots"][real:] = 0

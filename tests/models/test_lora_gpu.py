@@ -227,24 +227,29 @@ def test_adapter_swapped_into_a_captured_slot_is_used(models, adapter_dir):
             multi.load("b", adapter_dir / "b")
 
 
+def decode_with_single(graphed: Any, plain: Any, name: str,
+                       loras: list[str | None]) -> torch.Tensor:
+    """Activate single adapter ``name`` on both models and decode ``loras``; the captured trace
+    must equal the uncaptured one bit for bit (bucket 4). Returns the trace."""
+    for model in (graphed, plain):
+        model.features["single_lora"].activate(name)
+    got, want = decode_trace(graphed, loras), decode_trace(plain, loras)
+    assert torch.equal(got, want), \
+        f"single adapter {name}: captured != uncaptured ({rel_err(got, want):.2e})"
+    return got
+
+
 def test_single_adapter_switch_under_a_captured_graph(models):
     """``single_lora``: switching the active adapter between steps rewrites the resident
     buffers in place; the captured graph must serve the new adapter (bucket 4: bit-identical
     to the uncaptured run)."""
     dtype, (graphed, plain) = models
     loras: list[str | None] = [None] * 4
-    traces = {}
     try:
-        for name in ("a", "d"):
-            for model in (graphed, plain):
-                model.features["single_lora"].activate(name)
-            got, want = decode_trace(graphed, loras), decode_trace(plain, loras)
-            assert torch.equal(got, want), \
-                f"adapter {name}: captured != uncaptured ({rel_err(got, want):.2e})"
-            traces[name] = got
-            if name == "a":
-                captures = lora_decode_captures(graphed, "single_lora")
-                assert captures > 0, "the single-LoRA decode engine ran uncaptured"
+        traces = {"a": decode_with_single(graphed, plain, "a", loras)}
+        captures = lora_decode_captures(graphed, "single_lora")
+        assert captures > 0, "the single-LoRA decode engine ran uncaptured"
+        traces["d"] = decode_with_single(graphed, plain, "d", loras)
     finally:
         for model in (graphed, plain):
             model.features["single_lora"].activate(None)
@@ -264,15 +269,8 @@ def test_stacked_single_and_multi_under_a_captured_graph(models):
     graph is served, and the single adapter matters on top of the multi ones."""
     dtype, (graphed, plain) = models
     loras = MIXES["bucket4"]
-    traces = {}
     try:
-        for name in ("a", "d"):
-            for model in (graphed, plain):
-                model.features["single_lora"].activate(name)
-            got, want = decode_trace(graphed, loras), decode_trace(plain, loras)
-            assert torch.equal(got, want), \
-                f"single {name} + multi: captured != uncaptured ({rel_err(got, want):.2e})"
-            traces[name] = want
+        traces = {name: decode_with_single(graphed, plain, name, loras) for name in ("a", "d")}
         engine = graphed.engines[(False, STACKED)]
         assert engine.captured_signatures > 0, "the stacked decode engine ran uncaptured"
         shrinks = [n for n in engine.net.nodes if n.op in SHRINK_OPS]
