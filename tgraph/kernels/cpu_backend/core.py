@@ -76,11 +76,14 @@ def _bind_rms(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
     inv = torch.empty(rows, 1, dtype=F32)
     # out2 holds the squares unless it overlaps x2
     squares = torch.empty(rows, n, dtype=F32) if _overlap(out2, x2) else out2
+    # 0-dim tensors: a Python scalar is wrapped into a new tensor at every call; sum then divide
+    # is how torch.mean computes fp32 rows (the same bits)
+    count, eps_t = torch.tensor(float(n), dtype=F32), torch.tensor(eps, dtype=F32)
 
     def run() -> None:
         torch.mul(x2, x2, out=squares)
-        torch.mean(squares, -1, keepdim=True, out=inv)
-        inv.add_(eps).rsqrt_()
+        torch.sum(squares, -1, keepdim=True, out=inv)
+        inv.div_(count).add_(eps_t).rsqrt_()
         torch.mul(x2, inv, out=out2)
         if weight is not None:
             out2.mul_(weight)
