@@ -26,16 +26,21 @@ class FeatureDecorator:
         compatible_with: names of features it may share a graph with.
         pads_prefill: its batch arrays can be padded for a prefill CUDA graph
             (:meth:`padded_batch_arrays`); otherwise prefills of its engines run uncaptured.
+        takes_settings: False refuses any settings given to the feature.
     """
 
     name: str = ""
     needs_engine: bool = True
     compatible_with: frozenset[str] = frozenset()
     pads_prefill: bool = False
+    takes_settings: bool = True
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         self.model = model
         self.settings = dict(settings or {})
+        if self.settings and not self.takes_settings:
+            raise ConfigError(f"feature '{self.name}' takes no settings, got "
+                              f"{sorted(self.settings)}")
 
     # ---- recording ----------------------------------------------------------------------------
     def symbolic_inputs(self, is_prefill: bool) -> dict[str, Tensor]:

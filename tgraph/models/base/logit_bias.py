@@ -40,7 +40,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from tgraph.errors import ConfigError
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.features import FeatureDecorator
 from tgraph.nn import functional as F
@@ -119,12 +118,10 @@ class LogitBiasDecorator(FeatureDecorator):
 
     name = "logit_bias"
     compatible_with = frozenset({"single_lora", "multi_lora"})
+    takes_settings = False
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
-        if self.settings:
-            raise ConfigError(f"feature 'logit_bias' takes no settings, got "
-                              f"{sorted(self.settings)}")
         self._table: torch.Tensor | None = None
         # The bias each slot holds, least recently used first.
         self._slot_of: OrderedDict[LogitBias, int] = OrderedDict()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tgraph.errors import ConfigError
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.features import FeatureDecorator
 from tgraph.nn.tensor import Tensor
@@ -27,12 +26,10 @@ class VocabParallelDecorator(FeatureDecorator):
     name = "vocab_parallel"
     # The LoRA deltas come before the head; only logit_bias needs whole rows.
     compatible_with = frozenset({"single_lora", "multi_lora"})
+    takes_settings = False
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
-        if self.settings:
-            raise ConfigError(f"feature 'vocab_parallel' takes no settings, got "
-                              f"{sorted(self.settings)}")
         self._gather = True
 
     @classmethod
