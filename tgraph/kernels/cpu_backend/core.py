@@ -37,6 +37,7 @@ from tgraph.kernels.cpu_backend.common import (
 )
 from tgraph.kernels.cpu_backend.quant import PackedLinear, packed_linear
 from tgraph.kernels.registry import KernelSpec
+from tgraph.kernels.triton.checks import memory_overlaps
 from tgraph.kernels.triton_backend.common import Outs, reference_into
 from tgraph.quant import is_quantized
 from tgraph.tuning import Tuning
@@ -52,19 +53,8 @@ Matmul = Callable[[torch.Tensor], None]
 
 
 # ---- norms and SwiGLU -----------------------------------------------------------------------
-# NOTE: the reference's operations in its order (``weight * (x * rsqrt(mean(x^2) + eps))``, what
-# torch.rms_norm runs on fp32 rows too: the same bits), each written into held memory: six calls
-# where torch.rms_norm makes ~15 (casts, allocations), each of which pays for caches that the
-# step's weight streams have just flushed.
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the byte spans of ``a`` and ``b`` intersect."""
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
+# NOTE: the reference's operations in its order (the bits torch.rms_norm gives fp32 rows) into
+# held memory: fewer calls than torch.rms_norm's casts and allocations, each paying cold caches.
 def _bind_rms(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None, eps: float,
               tuning: Tuning | None) -> Callable[[], None]:
     """``out2 = rms_norm(x2)`` for fp32 ``[M, N]`` rows (``out2`` may be ``x2``)."""
@@ -75,7 +65,7 @@ def _bind_rms(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
         return lambda: out2.copy_(torch.rms_norm(x2, shape, weight, eps))
     inv = torch.empty(rows, 1, dtype=F32)
     # out2 holds the squares unless it overlaps x2
-    squares = torch.empty(rows, n, dtype=F32) if _overlap(out2, x2) else out2
+    squares = torch.empty(rows, n, dtype=F32) if memory_overlaps(out2, x2) else out2
     # 0-dim tensors: a Python scalar is wrapped into a new tensor at every call; sum then divide
     # is how torch.mean computes fp32 rows (the same bits)
     count, eps_t = torch.tensor(float(n), dtype=F32), torch.tensor(eps, dtype=F32)

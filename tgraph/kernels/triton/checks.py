@@ -38,3 +38,16 @@ def check_device(op: str, tensors: dict[str, torch.Tensor]) -> None:
             f"{op}: Triton kernels need CUDA tensors, got {device} "
             "(CPU works only under TRITON_INTERPRET=1)"
         )
+
+
+def memory_overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory ``a`` spans (first to last element, strides included) intersects the
+    memory ``b`` spans; an empty tensor spans nothing."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1

@@ -32,6 +32,7 @@ import triton.language as tl
 
 from tgraph.kernels.triton.checks import check_device as _check_device
 from tgraph.kernels.triton.checks import check_tensor as _check_tensor
+from tgraph.kernels.triton.checks import memory_overlaps as _overlaps
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
 __all__ = ["rope", "rope_and_cache", "reshape_and_cache"]
@@ -234,20 +235,6 @@ def launch_config(head_dim: int, n_q_heads: int, n_kv_heads: int) -> tuple[int, 
     block_hk = min(triton.next_power_of_2(max(n_kv_heads, 1)), max(1, max_heads // 2))
     # 2 warps: more small programs resident per SM keep more bytes in flight (a sweep's best).
     return block_hq, block_hk, 2
-
-
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory ``a`` spans intersects the memory ``b`` spans."""
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()) if n > 0)
-        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
-
-    if a.numel() == 0 or b.numel() == 0:
-        return False
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
 
 
 def _check_shape(op: str, name: str, t: torch.Tensor, shape: tuple[int, ...], why: str) -> None:
