@@ -1,6 +1,7 @@
-"""The ``moe`` wrapper: the decode kernels of :mod:`tgraph.kernels.triton.moe` for a few tokens
-(each reads only its experts' weights), the grouped GEMM of
-:mod:`tgraph.kernels.triton.moe_grouped` for more; the op's reference where neither runs (CPU,
+"""The ``moe`` and ``moe_add_rms_norm`` wrappers: the decode kernels of
+:mod:`tgraph.kernels.triton.moe` for a few tokens (each reads only its experts' weights), the
+grouped GEMM of :mod:`tgraph.kernels.triton.moe_grouped` for more, both writing per-(token,
+expert) shares that a combine (or the norm) adds; the op's reference where neither runs (CPU,
 quantized experts the kernels cannot read packed)."""
 from __future__ import annotations
 
@@ -27,6 +28,19 @@ def _kernels_take(x: torch.Tensor, w13, w2) -> bool:
     if is_quantized(w13):
         return packed_experts_ok(w13) and packed_experts_ok(w2)
     return w13.dtype == w2.dtype == x.dtype and w13.is_contiguous() and w2.is_contiguous()
+
+
+def _per_token(x: torch.Tensor, tuning: Tuning) -> bool:
+    """Whether a decode program per token adds its experts itself (no shares, no combine)."""
+    return tuning.moe.split_max_tokens < x.shape[0] <= tuning.moe.decode_max_tokens
+
+
+def _per_token_moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, out: torch.Tensor,
+                   tuning: Tuning, top_k: int, renormalize: bool) -> None:
+    from tgraph.kernels.triton.moe import moe_decode
+
+    moe_decode(x, router_logits, w13, w2, out, top_k, renormalize, block_n=tuning.moe.block_n,
+               block_k=tuning.moe.block_k, split=False)
 
 
 def _shares(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, tuning: Tuning, top_k: int,
@@ -60,11 +74,9 @@ def moe_add_rms_norm_into(outs: Outs, x: torch.Tensor, router_logits: torch.Tens
     x, router_logits, residual = rows(x), rows(router_logits), rows(residual)
     n = x.shape[1]
     normed, summed = outs[0].view(-1, n), outs[1].view(-1, n)
-    t = tuning.moe
-    if t.split_max_tokens < x.shape[0] <= t.decode_max_tokens:
+    if _per_token(x, tuning):
         moe_out = torch.empty_like(x)
-        moe_into((moe_out,), x, router_logits, w13, w2, tuning=tuning, top_k=top_k,
-                 renormalize=renormalize)
+        _per_token_moe(x, router_logits, w13, w2, moe_out, tuning, top_k, renormalize)
         add_rms_norm(moe_out, residual, weight, eps, normed, summed)
     else:
         shares = _shares(x, router_logits, w13, w2, tuning, top_k, renormalize)
@@ -78,20 +90,14 @@ def moe_into(outs: Outs, x: torch.Tensor, router_logits: torch.Tensor, w13, w2, 
     if not _kernels_take(x, w13, w2):
         return _reference(outs, x, router_logits, w13, w2, top_k=top_k,
                           renormalize=renormalize)
-    t = tuning.moe
+    from tgraph.kernels.triton.moe import combine_pairs
+
     x, router_logits = rows(x), rows(router_logits)
-    if x.shape[0] <= t.decode_max_tokens:
-        from tgraph.kernels.triton.moe import moe_decode
-
-        moe_decode(x, router_logits, w13, w2, outs[0], top_k, renormalize, block_n=t.block_n,
-                   block_k=t.block_k, split=x.shape[0] <= t.split_max_tokens)
+    if _per_token(x, tuning):
+        _per_token_moe(x, router_logits, w13, w2, outs[0], tuning, top_k, renormalize)
     else:
-        from tgraph.kernels.triton.moe_grouped import moe_grouped
-
-        moe_grouped(x, router_logits, w13, w2, outs[0], top_k, renormalize,
-                    block_m=t.grouped_block_m, block_n=t.grouped_block_n,
-                    block_k=t.grouped_block_k, num_warps=t.grouped_num_warps,
-                    num_stages=t.grouped_num_stages)
+        combine_pairs(_shares(x, router_logits, w13, w2, tuning, top_k, renormalize), outs[0],
+                      top_k)
     return outs[0]
 
 
