@@ -100,6 +100,10 @@ class QuantGemvTuning(_Section):
     m1_block_k: int = knob(1024, "one row: K per step, whole scale groups")
     m1_num_warps: int = knob(4, "one row: warps per program")
     m1_num_stages: int = knob(3, "one row: pipeline depth")
+    m1_int4_norm_registers: int = knob(80, "one row of int4 codes, norm fused, not gated: "
+                                           "registers per thread (the compiler's 96 leave 5 "
+                                           "programs per SM, two waves for q|k|v; 0: its "
+                                           "choice)", minimum=0)
 
 
 @dataclass(frozen=True)

@@ -381,8 +381,8 @@ def _check_quantized(weight: QuantizedWeight, K: int, device: torch.device,
                          "takes them")
 
 
-def _quant_args(weight: QuantizedWeight, x: torch.Tensor,
-                common: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+def _quant_args(weight: QuantizedWeight, x: torch.Tensor, common: dict,
+                tuning: GemvTuning) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """The kernel's quantized-weight arguments (codes, scales, offsets, scale row stride); adds
     its constexprs to ``common``."""
     scheme = weight.scheme
@@ -394,7 +394,7 @@ def _quant_args(weight: QuantizedWeight, x: torch.Tensor,
     if scheme.kind == "fp8" and not on_gpu:
         codes = codes.view(torch.uint8)  # decoded from its bits (see quant_tiles.fp8_e4m3_value)
     bits, base = code_base(scheme.kind, dtype, on_gpu)
-    if one_row and scheme.kind == "int4":  # int32 words, codes as 2**23 + q everywhere
+    if one_row and scheme.kind == "int4":  # int32 words; ZERO as for codes read as 2**23 + q
         codes, bits, base = codes.view(torch.int32), 0, 8388608.0
     rows, cols = scheme.block
     n, k = weight.shape
@@ -407,6 +407,9 @@ def _quant_args(weight: QuantizedWeight, x: torch.Tensor,
         QNG=block_k // cols if one_row and cols < k and block_k > cols else 1,
         QDTYPE=_TL_DTYPES[dtype],
     )
+    cap = tuning.quant.m1_int4_norm_registers
+    if one_row and scheme.kind == "int4" and common["NORM"] and not common["GATED"] and cap:
+        common["maxnreg"] = cap  # the fused norm's registers cost a q|k|v grid a second wave
     offsets = weight.offset if weight.offset is not None else weight.scale
     return codes, weight.scale, offsets, weight.scale.stride(0)
 
@@ -541,7 +544,7 @@ def small_m_linear(
     g = norm_weight if norm_weight is not None else dummy
     eps = float(norm_eps) if norm_eps is not None else 0.0
     if quantized:
-        codes, scales, offsets, stride_qs = _quant_args(weight, x, common)
+        codes, scales, offsets, stride_qs = _quant_args(weight, x, common, tuning)
         desc = None
     else:
         codes, scales, offsets, stride_qs = weight, dummy, dummy, 0

@@ -83,8 +83,9 @@ def k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr, offs_k, mask
     return acc, acc_u, sq
 
 
-# The eight codes of an int32 word of int4 bytes, each as the fp32 bits of 2**23 + q: one PRMT
-# per code puts a byte of the masked nibbles under the exponent byte 0x4B.
+# The eight codes of an int32 word of int4 bytes as fp32 bits, one PRMT per code under the
+# exponent byte of the magic operand: EXACT puts a masked nibble's byte at byte 0 of 0x4B000000
+# (2**23 + q); otherwise at byte 2 of 0x3F000000 (0.5 + q / 256, see _word_sums).
 _UNPACK_WORD_ASM: tl.constexpr = tl.constexpr("""
 {
 .reg .b32 lo, hi, magic;
@@ -102,30 +103,63 @@ prmt.b32 $6, hi, magic, 0x7542;
 prmt.b32 $7, hi, magic, 0x7543;
 }
 """)
+_UNPACK_WORD_HALF_ASM: tl.constexpr = tl.constexpr("""
+{
+.reg .b32 lo, hi, magic;
+mov.b32 magic, 0x3F000000;
+and.b32 lo, $8, 0x0F0F0F0F;
+shr.u32 hi, $8, 4;
+and.b32 hi, hi, 0x0F0F0F0F;
+prmt.b32 $0, lo, magic, 0x7054;
+prmt.b32 $1, lo, magic, 0x7154;
+prmt.b32 $2, lo, magic, 0x7254;
+prmt.b32 $3, lo, magic, 0x7354;
+prmt.b32 $4, hi, magic, 0x7054;
+prmt.b32 $5, hi, magic, 0x7154;
+prmt.b32 $6, hi, magic, 0x7254;
+prmt.b32 $7, hi, magic, 0x7354;
+}
+""")
 
 
 @triton.jit
-def _unpack_words(words, ASM: tl.constexpr):
-    """Each int32 word of int4 bytes as eight fp32 tensors ``2**23 + q``: the low nibbles of
-    bytes 0-3 (columns 0, 2, 4, 6 of the word's eight), then the high ones (1, 3, 5, 7).
-    ``ASM``: by PTX (two integer operations per code fewer); else by Triton's integer ops (the
-    interpreter)."""
+def _code_bits(nibbles, EXACT: tl.constexpr):
+    """The fp32 bits of ``2**23 + q`` (``EXACT``) or ``0.5 + q / 256`` for bytes ``nibbles``."""
+    if EXACT:
+        bits = nibbles | 0x4B000000
+    else:
+        bits = (nibbles << 16) | 0x3F000000
+    return bits
+
+
+@triton.jit
+def _unpack_words(words, ASM: tl.constexpr, EXACT: tl.constexpr):
+    """Each int32 word of int4 bytes as eight fp32 tensors, ``2**23 + q`` (``EXACT``) or
+    ``0.5 + q / 256``: the low nibbles of bytes 0-3 (columns 0, 2, 4, 6 of the word's eight),
+    then the high ones (1, 3, 5, 7). ``ASM``: by PTX (two integer operations per code fewer);
+    else by Triton's integer ops (the interpreter)."""
     if ASM:
-        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-            _UNPACK_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
-                   tl.int32), is_pure=True, pack=1)
+        if EXACT:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                _UNPACK_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                       tl.int32), is_pure=True, pack=1)
+        else:
+            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+                _UNPACK_WORD_HALF_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                       tl.int32), is_pure=True, pack=1)
     else:
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
-        c0 = (lo & 0xFF) | 0x4B000000
-        c1 = ((lo >> 8) & 0xFF) | 0x4B000000
-        c2 = ((lo >> 16) & 0xFF) | 0x4B000000
-        c3 = ((lo >> 24) & 0xFF) | 0x4B000000
-        c4 = (hi & 0xFF) | 0x4B000000
-        c5 = ((hi >> 8) & 0xFF) | 0x4B000000
-        c6 = ((hi >> 16) & 0xFF) | 0x4B000000
-        c7 = ((hi >> 24) & 0xFF) | 0x4B000000
+        c0 = _code_bits(lo & 0xFF, EXACT)
+        c1 = _code_bits((lo >> 8) & 0xFF, EXACT)
+        c2 = _code_bits((lo >> 16) & 0xFF, EXACT)
+        c3 = _code_bits((lo >> 24) & 0xFF, EXACT)
+        c4 = _code_bits(hi & 0xFF, EXACT)
+        c5 = _code_bits((hi >> 8) & 0xFF, EXACT)
+        c6 = _code_bits((hi >> 16) & 0xFF, EXACT)
+        c7 = _code_bits((hi >> 24) & 0xFF, EXACT)
     return (c0.to(tl.float32, bitcast=True), c1.to(tl.float32, bitcast=True),
             c2.to(tl.float32, bitcast=True), c3.to(tl.float32, bitcast=True),
             c4.to(tl.float32, bitcast=True), c5.to(tl.float32, bitcast=True),
@@ -137,12 +171,14 @@ def _x_word_columns(x_rows, g_ptr, offs_w, mask_w, W: tl.constexpr, NORM: tl.con
                     HAS_G: tl.constexpr):
     """The activations of one row under ``W`` words of codes: loaded as one contiguous ``[W, 8]``
     tile (times the norm weight, with its sum of squares) and split in registers into the eight
-    ``[1, W]`` columns in the order of :func:`_unpack_words` (0, 2, 4, 6, 1, 3, 5, 7)."""
+    ``[1, W]`` columns in the order of :func:`_unpack_words` (0, 2, 4, 6, 1, 3, 5, 7); then the
+    sum of each word's eight (``[1, W]``, for the offsets) and the sum of squares."""
     cols = 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]
     xv = tl.load(x_rows + cols, mask=mask_w[:, None], other=0.0).to(tl.float32)
     sq = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
     if HAS_G:
         xv = xv * tl.load(g_ptr + cols, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    sx = tl.sum(xv, axis=1)
     even, odd = tl.split(tl.reshape(xv, [W, 4, 2]))  # columns 0 2 4 6 | 1 3 5 7
     e04, e26 = tl.split(tl.reshape(even, [W, 2, 2]))
     o15, o37 = tl.split(tl.reshape(odd, [W, 2, 2]))
@@ -153,18 +189,65 @@ def _x_word_columns(x_rows, g_ptr, offs_w, mask_w, W: tl.constexpr, NORM: tl.con
     if not NORM:
         sq = 0.0
     return (x0[None, :], x2[None, :], x4[None, :], x6[None, :], x1[None, :], x3[None, :],
-            x5[None, :], x7[None, :], sq)
+            x5[None, :], x7[None, :], sx[None, :], sq)
 
 
 @triton.jit
-def _word_column(acc, acc_u, v, v_u, s, b, s_u, b_u, xv, BLOCK_N: tl.constexpr,
-                 W: tl.constexpr, GATED: tl.constexpr, QNG: tl.constexpr,
-                 QOFFSETS: tl.constexpr, QZERO: tl.constexpr):
-    """One of a word's eight code columns against its column of x."""
-    acc += dequantize_groups(v, s, b, QZERO, QOFFSETS, BLOCK_N, W, QNG) * xv
+def _word_sum(t, t_u, c, u, x, GATED: tl.constexpr, ZERO: tl.constexpr):
+    t += (c - ZERO) * x
     if GATED:
-        acc_u += dequantize_groups(v_u, s_u, b_u, QZERO, QOFFSETS, BLOCK_N, W, QNG) * xv
-    return acc, acc_u
+        t_u += (u - ZERO) * x
+    return t, t_u
+
+
+@triton.jit
+def _word_sums(c0, c1, c2, c3, c4, c5, c6, c7, u0, u1, u2, u3, u4, u5, u6, u7,
+               x0, x1, x2, x3, x4, x5, x6, x7, GATED: tl.constexpr, EXACT: tl.constexpr,
+               QZERO: tl.constexpr):
+    """Each word's eight codes times their activations, summed: ``[BLOCK_N, W]`` (and the "up"
+    rows' when ``GATED``, column by column with the gate's, so each code dies once used).
+
+    ``EXACT``: ``sum_j (c_j - ZERO) * x_j`` on ``c = 2**23 + q``, exact products, two operations
+    per code. Otherwise one FMA per code: ``sum_j c_j * x_j`` on ``c = 0.5 + q / 256``, whose
+    ``256 * (t - sum(x) / 2) = sum(q * x)`` loses ~2**-13 of ``sum(|x|)`` per word to the
+    cancellation (see :func:`_fold_words`): far below a 16-bit output's rounding, so only fp32
+    activations take the exact form.
+    """
+    ZERO: tl.constexpr = QZERO if EXACT else 0.0
+    t = (c0 - ZERO) * x0
+    t_u = t
+    if GATED:
+        t_u = (u0 - ZERO) * x0
+    t, t_u = _word_sum(t, t_u, c1, u1, x1, GATED, ZERO)
+    t, t_u = _word_sum(t, t_u, c2, u2, x2, GATED, ZERO)
+    t, t_u = _word_sum(t, t_u, c3, u3, x3, GATED, ZERO)
+    t, t_u = _word_sum(t, t_u, c4, u4, x4, GATED, ZERO)
+    t, t_u = _word_sum(t, t_u, c5, u5, x5, GATED, ZERO)
+    t, t_u = _word_sum(t, t_u, c6, u6, x6, GATED, ZERO)
+    t, t_u = _word_sum(t, t_u, c7, u7, x7, GATED, ZERO)
+    return t, t_u
+
+
+@triton.jit
+def _fold_words(acc, t, s, b, sx, BLOCK_N: tl.constexpr, W: tl.constexpr, QNG: tl.constexpr,
+                QOFFSETS: tl.constexpr, EXACT: tl.constexpr, QZERO: tl.constexpr):
+    """``acc += s * sum((q - z) * x) + b * sum(x)`` per word from its sums ``t`` (see
+    :func:`_word_sums`) and ``sx = sum(x)``, each of the ``QNG`` groups' scale (and offset)
+    broadcast over its words. Not ``EXACT``: ``sum((q - z) * x) = 256 * t - (128 + z) * sx``
+    with ``z = QZERO - 2**23``, folded into the group's two factors."""
+    s3 = s[:, :, None]
+    sx3 = tl.reshape(sx, [1, QNG, W // QNG])
+    t = tl.reshape(t, [BLOCK_N, QNG, W // QNG])
+    if EXACT:
+        t = t * s3
+        if QOFFSETS:
+            t += b[:, :, None] * sx3
+    else:
+        b3 = -(128.0 + (QZERO - 8388608.0)) * s3
+        if QOFFSETS:
+            b3 += b[:, :, None]
+        t = t * (256.0 * s3) + b3 * sx3
+    return acc + tl.reshape(t, [BLOCK_N, W])
 
 
 @triton.jit
@@ -189,38 +272,29 @@ def int4_row_step(acc, acc_u, sq, words, words_u, qs_ptr, qb_ptr, offs_n, gate_r
                    QNG: tl.constexpr, QOFFSETS: tl.constexpr, QZERO: tl.constexpr,
                    ASM: tl.constexpr):
     """One K tile of one row on int4 codes read as int32 ``words`` (eight codes each; ``words_u``
-    the "up" rows'): the eight code columns of the words, each against its column of x (with
-    the fused norm's sums of squares); ``acc`` is ``[BLOCK_N, BLOCK_K / 8]``."""
+    the "up" rows'): each word's eight codes against their columns of x, summed, then scaled
+    per word (with the fused norm's sums of squares); ``acc`` is ``[BLOCK_N, BLOCK_K / 8]``."""
     W: tl.constexpr = BLOCK_K // 8
     offs_w = k0 // 8 + tl.arange(0, W)
     mask_w = offs_w < k_end // 8
-    c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(words, ASM)
+    # 16-bit activations take one FMA per code (see _word_sums); fp32 ones the exact products.
+    EXACT: tl.constexpr = x_rows.dtype.element_ty == tl.float32
+    c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(words, ASM, EXACT)
     s, b = load_scale_tile(qs_ptr, qb_ptr, offs_n, mask_n, k0, k_end, stride_qs, QROWS, QCOLS,
                            QNG, QOFFSETS)
     if GATED:
-        u0, u1, u2, u3, u4, u5, u6, u7 = _unpack_words(words_u, ASM)
+        u0, u1, u2, u3, u4, u5, u6, u7 = _unpack_words(words_u, ASM, EXACT)
         s_u, b_u = load_scale_tile(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, k_end,
                                    stride_qs, QROWS, QCOLS, QNG, QOFFSETS)
     else:
         u0, u1, u2, u3, u4, u5, u6, u7 = c0, c1, c2, c3, c4, c5, c6, c7
         s_u, b_u = s, b
-    x0, x1, x2, x3, x4, x5, x6, x7, part = _x_word_columns(x_rows, g_ptr, offs_w, mask_w, W,
-                                                          NORM, HAS_G)
+    x0, x1, x2, x3, x4, x5, x6, x7, sx, part = _x_word_columns(x_rows, g_ptr, offs_w, mask_w,
+                                                              W, NORM, HAS_G)
     sq += part
-    acc, acc_u = _word_column(acc, acc_u, c0, u0, s, b, s_u, b_u, x0, BLOCK_N, W, GATED, QNG,
-                              QOFFSETS, QZERO)
-    acc, acc_u = _word_column(acc, acc_u, c1, u1, s, b, s_u, b_u, x1, BLOCK_N, W, GATED, QNG,
-                              QOFFSETS, QZERO)
-    acc, acc_u = _word_column(acc, acc_u, c2, u2, s, b, s_u, b_u, x2, BLOCK_N, W, GATED, QNG,
-                              QOFFSETS, QZERO)
-    acc, acc_u = _word_column(acc, acc_u, c3, u3, s, b, s_u, b_u, x3, BLOCK_N, W, GATED, QNG,
-                              QOFFSETS, QZERO)
-    acc, acc_u = _word_column(acc, acc_u, c4, u4, s, b, s_u, b_u, x4, BLOCK_N, W, GATED, QNG,
-                              QOFFSETS, QZERO)
-    acc, acc_u = _word_column(acc, acc_u, c5, u5, s, b, s_u, b_u, x5, BLOCK_N, W, GATED, QNG,
-                              QOFFSETS, QZERO)
-    acc, acc_u = _word_column(acc, acc_u, c6, u6, s, b, s_u, b_u, x6, BLOCK_N, W, GATED, QNG,
-                              QOFFSETS, QZERO)
-    acc, acc_u = _word_column(acc, acc_u, c7, u7, s, b, s_u, b_u, x7, BLOCK_N, W, GATED, QNG,
-                              QOFFSETS, QZERO)
+    t, t_u = _word_sums(c0, c1, c2, c3, c4, c5, c6, c7, u0, u1, u2, u3, u4, u5, u6, u7,
+                        x0, x1, x2, x3, x4, x5, x6, x7, GATED, EXACT, QZERO)
+    acc = _fold_words(acc, t, s, b, sx, BLOCK_N, W, QNG, QOFFSETS, EXACT, QZERO)
+    if GATED:
+        acc_u = _fold_words(acc_u, t_u, s_u, b_u, sx, BLOCK_N, W, QNG, QOFFSETS, EXACT, QZERO)
     return acc, acc_u, sq
