@@ -456,13 +456,14 @@ class Engine:
                 the copy of staged host inputs (pinned memory) into the tensors held by
                 reference, so that a step costs one graph launch and no copy call. It runs once
                 before the warm-up too.
-            share_arena: put the intermediate buffers in one arena shared by every capture made
-                with this flag (on a single-device network), sized for the largest of them,
-                instead of an arena of its own: for many signatures of which one runs at a time
-                (prefill token buckets), at the memory of one. Every replay recomputes its
-                buffers and outputs are returned as copies, so the captures do not disturb one
-                another. A capture that needs more than the shared arena holds replaces it with
-                a larger one and releases the captures using the old one (see :meth:`replay`).
+            share_arena: put the intermediate buffers in one arena set shared by every capture
+                made with this flag (one arena per device of the network), sized for the
+                largest of them, instead of a set of its own: for many signatures of which one
+                runs at a time (prefill token buckets), at the memory of one. Every replay
+                recomputes its buffers and outputs are returned as copies, so the captures do
+                not disturb one another. A capture that needs more than the shared set holds
+                replaces it with a larger one and releases the captures using the old one (see
+                :meth:`replay`).
 
         Returns:
             a handle for :meth:`replay` (``forward`` finds the capture by itself).
@@ -481,7 +482,7 @@ class Engine:
                                f"{self.net.name!r}")
         plan, binding = call.plan, call.binding
         shared = None
-        if share_arena and self.placement is None:
+        if share_arena:
             shared = self._capture.shared_arena(binding.memory, device)
             arenas = shared
         else:

@@ -404,8 +404,16 @@ class GraphState:
     def _prefill_buckets(self, batch: BatchMeta, key: GraphKey) -> tuple[int, int] | None:
         """(tokens, sequences) a prefill is padded to for a CUDA graph, or None to run it
         uncaptured: too many tokens, sequences or logits rows, the engine of a feature that
-        cannot pad its arrays (``FeatureDecorator.pads_prefill``), a dump, or a model spread
-        over several devices (tensor parallel or placed: not supported yet).
+        cannot pad its arrays (``FeatureDecorator.pads_prefill``), a dump, or an engine with
+        work placed on the CPU (see :meth:`_prefill_refusal`; logged once).
+
+        Captured as at decode: tensor-parallel engines (NCCL collectives inside the graphs, or
+        between them with ``capture_collectives=False``; the peer all-reduce takes a message
+        only where it fits its buffers, else NCCL) and engines placed on several GPUs (one
+        graph per device segment, the copies between them; the buckets share one arena per
+        GPU). Every rank decides alike, since the config, the batch, the engine and the dump
+        setting are the same on every rank: the ranks capture the same bucket at the same step
+        and replay its collectives together.
 
         Prefill is otherwise bound by the host: a few hundred uncaptured launches, each costing
         more CPU time than small models' kernels take on the GPU."""
@@ -413,13 +421,30 @@ class GraphState:
             return None
         if not all(self.features[n].pads_prefill for n in key[1]):
             return None
-        if self.config.world_size > 1 or self.model.placement is not None:
+        why = self._prefill_refusal(key)
+        if why:
+            self._warn_once("prefill placement", f"prefill steps run without CUDA graphs: {why}")
             return None
         tokens = prefill_token_bucket(batch.num_tokens, self.config.prefill_graph_tokens)
         seqs = self._bucket(max(batch.num_seqs, len(batch.default_lm_head_indices())))
         if tokens is None or seqs is None:
             return None
         return tokens, seqs
+
+    def _prefill_refusal(self, key: GraphKey) -> str:
+        """Why the prefill engine of ``key`` replays no CUDA graphs although decode engines do
+        ('' when it may): work a rule placed on the CPU (MoE experts) runs between the graphs,
+        so it would compute the token bucket's pad tokens too (a 5-token prompt runs as 128
+        tokens there), on the model's slowest device: more than the graphs save."""
+        engine = self.engines.get(key)
+        placement = None if engine is None else engine.placement
+        if placement is None:
+            return ""
+        cpu = [label for label in placement.devices if placement_device(label).type == "cpu"]
+        if not cpu:
+            return ""
+        return (f"work is placed on {', '.join(cpu)}, which a CUDA graph cannot hold; padded "
+                "to a token bucket, it would compute the pad tokens too")
 
     def _dump_first(self, key: GraphKey, engine: Engine, inputs: dict[str, Any],
                     runtime: dict[str, Any]) -> None:
