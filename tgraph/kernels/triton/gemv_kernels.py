@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 from tgraph.kernels.triton.gemv_quant_kernels import (
+    ROW_FOLD,
     int4_row_step,
     k_step_q,
     load_q_tile,
@@ -114,6 +115,8 @@ def small_m_linear_kernel(
 
     if BLOCK_M == 1 and QKIND == 0:  # int4, one row: one column per int32 word of codes
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
+    elif BLOCK_M == 1 and QKIND > 0:  # one-byte codes, one row: runs of ROW_FOLD columns
+        acc = tl.zeros((BLOCK_N, BLOCK_K // ROW_FOLD), dtype=tl.float32)
     elif BLOCK_M == 1:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     elif SWAP_AB:

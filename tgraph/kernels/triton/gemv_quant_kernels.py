@@ -19,7 +19,7 @@ from tgraph.kernels.triton.quant_tiles import (
     load_scales,
 )
 
-__all__ = ["int4_row_step", "k_step_q", "load_q_tile", "load_words"]
+__all__ = ["ROW_FOLD", "int4_row_step", "k_step_q", "load_q_tile", "load_words"]
 
 
 @triton.jit
@@ -53,6 +53,17 @@ def load_q_tile(w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0, k
     return v, v_u, s, b, s_u, b_u, offs_k, offs_k < k_end
 
 
+ROW_FOLD: tl.constexpr = tl.constexpr(16)
+
+
+@triton.jit
+def _folded(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A one-row tile's ``[BLOCK_N, BLOCK_K]`` products summed in runs of ``ROW_FOLD`` columns
+    (one thread's 16-byte load of codes): the accumulator is 16 times narrower, registers an
+    8-bit tile's own products would otherwise hold."""
+    return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // ROW_FOLD, ROW_FOLD]), axis=2)
+
+
 @triton.jit
 def k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr, offs_k, mask_m, mask_k,
               BLOCK_M: tl.constexpr, NORM: tl.constexpr, HAS_G: tl.constexpr,
@@ -66,11 +77,11 @@ def k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr, offs_k, mask
     sq += part
     # One return at the end: Triton compiles no return inside a branch.
     if BLOCK_M == 1:
-        acc = mac(acc, dequantize_groups(v, s, b, QZERO, QOFFSETS, BLOCK_N, BLOCK_K, QNG), xv,
-                   BLOCK_M, F32_DOT, SWAP_AB)
+        acc += _folded(dequantize_groups(v, s, b, QZERO, QOFFSETS, BLOCK_N, BLOCK_K, QNG) * xv,
+                       BLOCK_N, BLOCK_K)
         if GATED:
-            acc_u = mac(acc_u, dequantize_groups(v_u, s_u, b_u, QZERO, QOFFSETS, BLOCK_N,
-                                                  BLOCK_K, QNG), xv, BLOCK_M, F32_DOT, SWAP_AB)
+            acc_u += _folded(dequantize_groups(v_u, s_u, b_u, QZERO, QOFFSETS, BLOCK_N, BLOCK_K,
+                                               QNG) * xv, BLOCK_N, BLOCK_K)
     else:
         xd = xv.to(v.dtype)
         # The row sums of exactly the values the products see (x rounded to the MMA's dtype).
