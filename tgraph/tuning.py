@@ -93,11 +93,15 @@ class QuantGemvTuning(_Section):
                                    "whole-step sweep's best at 16 and 64 rows for every scheme)")
     m1_fma: bool = knob(True, "one row runs on CUDA cores (the tile dequantized in registers), "
                               "as the bf16 GEMV of one row does, not padded to 16 for MMA")
-    m1_block_n: int = knob(8, "one row: weight rows per program")
+    m1_block_n: int = knob(8, "one row of int4 codes: weight rows per program")
     m1_int8_block_n: int = knob(4, "one row of int8 codes: weight rows per program (the "
-                                   "whole-step sweep's best for int8; fp8 and int4 keep "
-                                   "m1_block_n)")
-    m1_block_k: int = knob(1024, "one row: K per step, whole scale groups")
+                                   "whole-step sweep's best for int8)")
+    m1_fp8_block_n: int = knob(4, "one row of fp8 codes: weight rows per program (with its "
+                                  "2048-wide K tiles, the cold per-layer sweep's best)")
+    m1_block_k: int = knob(1024, "one row of int4 / int8 codes: K per step, whole scale "
+                                 "groups")
+    m1_fp8_block_k: int = knob(2048, "one row of fp8 codes: K per step (int8 measured slower "
+                                     "at 2048)")
     m1_num_warps: int = knob(4, "one row: warps per program")
     m1_num_stages: int = knob(3, "one row: pipeline depth")
     m1_int4_norm_registers: int = knob(80, "one row of int4 codes, norm fused, not gated: "

@@ -161,15 +161,17 @@ from triton.compiler import ASTSource
 from tgraph.kernels.triton.gemv_kernels import small_m_linear_kernel as fn
 
 # One row as the launcher specialises Llama-3-8B's linears: int4 g128 words (the PTX unpack of
-# 16-bit activations' one-FMA form, and fp32's exact form), fp8 channel codes; plain with the
-# residual, the fused norm (its register cap), gated with the norm.
+# 16-bit activations' one-FMA form, and fp32's exact form), fp8 channel codes (4 x 2048 tiles,
+# folded in runs of 16 columns); plain with the residual, the fused norm (its register cap),
+# gated with the norm.
 DIV16 = {"N", "K", "k_per_split", "gate_rows", "stride_xm", "stride_wn", "stride_rm",
          "stride_om", "stride_qs"}
 for kind, x_type in ((0, "*bf16"), (0, "*fp32"), (2, "*bf16")):
     for norm, gated, res, cap in ((False, False, True, None), (True, False, False, 80),
                                   (True, True, False, None)):
         consts = dict(HAS_BIAS=False, HAS_RES=res, WRITE_PARTIAL=False, NORM=norm, HAS_G=norm,
-                      GATED=gated, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, F32_DOT=False,
+                      GATED=gated, BLOCK_M=1, BLOCK_N=8 if kind == 0 else 4,
+                      BLOCK_K=1024 if kind == 0 else 2048, F32_DOT=False,
                       SWAP_AB=False, PDL=True, FIXUP=False, W_DESC=False, QKIND=kind,
                       QROWS=1 << 30, QCOLS=128 if kind == 0 else 1 << 30, QOFFSETS=False,
                       QZERO=8388616.0 if kind == 0 else 0.0, QBASE_BITS=0, ON_GPU=True,

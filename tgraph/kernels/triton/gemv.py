@@ -318,8 +318,10 @@ def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
     has ``programs_per_sm`` programs per SM (one row: its own tiles, no split)."""
     q = tuning.quant
     if _quant_block_m(M, weight, tuning) == 1:
-        block_n = q.m1_int8_block_n if weight.scheme.kind == "int8" else q.m1_block_n
-        return (block_n, _one_row_block_k(weight, q.m1_block_k), 1, q.m1_num_warps,
+        kind = weight.scheme.kind
+        block_n = {"int8": q.m1_int8_block_n, "fp8": q.m1_fp8_block_n}.get(kind, q.m1_block_n)
+        block_k = q.m1_fp8_block_k if kind == "fp8" else q.m1_block_k
+        return (block_n, _one_row_block_k(weight, block_k), 1, q.m1_num_warps,
                 q.m1_num_stages)
     block_k = quant_block_k(weight, q.block_k)
     block_n = q.block_n
