@@ -204,19 +204,9 @@ def _x_word_columns(x_rows, g_ptr, offs_w, mask_w, W: tl.constexpr, NORM: tl.con
 
 
 @triton.jit
-def _word_sum(t, t_u, c, u, x, GATED: tl.constexpr, ZERO: tl.constexpr):
-    t += (c - ZERO) * x
-    if GATED:
-        t_u += (u - ZERO) * x
-    return t, t_u
-
-
-@triton.jit
-def _word_sums(c0, c1, c2, c3, c4, c5, c6, c7, u0, u1, u2, u3, u4, u5, u6, u7,
-               x0, x1, x2, x3, x4, x5, x6, x7, GATED: tl.constexpr, EXACT: tl.constexpr,
-               QZERO: tl.constexpr):
-    """Each word's eight codes times their activations, summed: ``[BLOCK_N, W]`` (and the "up"
-    rows' when ``GATED``, column by column with the gate's, so each code dies once used).
+def _word_sums(c0, c1, c2, c3, c4, c5, c6, c7, x0, x1, x2, x3, x4, x5, x6, x7,
+               EXACT: tl.constexpr, QZERO: tl.constexpr):
+    """Each word's eight codes times their activations, summed: ``[BLOCK_N, W]``.
 
     ``EXACT``: ``sum_j (c_j - ZERO) * x_j`` on ``c = 2**23 + q``, exact products, two operations
     per code. Otherwise one FMA per code: ``sum_j c_j * x_j`` on ``c = 0.5 + q / 256``, whose
@@ -226,17 +216,14 @@ def _word_sums(c0, c1, c2, c3, c4, c5, c6, c7, u0, u1, u2, u3, u4, u5, u6, u7,
     """
     ZERO: tl.constexpr = QZERO if EXACT else 0.0
     t = (c0 - ZERO) * x0
-    t_u = t
-    if GATED:
-        t_u = (u0 - ZERO) * x0
-    t, t_u = _word_sum(t, t_u, c1, u1, x1, GATED, ZERO)
-    t, t_u = _word_sum(t, t_u, c2, u2, x2, GATED, ZERO)
-    t, t_u = _word_sum(t, t_u, c3, u3, x3, GATED, ZERO)
-    t, t_u = _word_sum(t, t_u, c4, u4, x4, GATED, ZERO)
-    t, t_u = _word_sum(t, t_u, c5, u5, x5, GATED, ZERO)
-    t, t_u = _word_sum(t, t_u, c6, u6, x6, GATED, ZERO)
-    t, t_u = _word_sum(t, t_u, c7, u7, x7, GATED, ZERO)
-    return t, t_u
+    t += (c1 - ZERO) * x1
+    t += (c2 - ZERO) * x2
+    t += (c3 - ZERO) * x3
+    t += (c4 - ZERO) * x4
+    t += (c5 - ZERO) * x5
+    t += (c6 - ZERO) * x6
+    t += (c7 - ZERO) * x7
+    return t
 
 
 @triton.jit
@@ -290,22 +277,19 @@ def int4_row_step(acc, acc_u, sq, words, words_u, qs_ptr, qb_ptr, offs_n, gate_r
     mask_w = offs_w < k_end // 8
     # 16-bit activations take one FMA per code (see _word_sums); fp32 ones the exact products.
     EXACT: tl.constexpr = x_rows.dtype.element_ty == tl.float32
-    c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(words, ASM, EXACT)
-    s, b = load_scale_tile(qs_ptr, qb_ptr, offs_n, mask_n, k0, k_end, stride_qs, QROWS, QCOLS,
-                           QNG, QOFFSETS)
-    if GATED:
-        u0, u1, u2, u3, u4, u5, u6, u7 = _unpack_words(words_u, ASM, EXACT)
-        s_u, b_u = load_scale_tile(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, k_end,
-                                   stride_qs, QROWS, QCOLS, QNG, QOFFSETS)
-    else:
-        u0, u1, u2, u3, u4, u5, u6, u7 = c0, c1, c2, c3, c4, c5, c6, c7
-        s_u, b_u = s, b
     x0, x1, x2, x3, x4, x5, x6, x7, sx, part = _x_word_columns(x_rows, g_ptr, offs_w, mask_w,
                                                               W, NORM, HAS_G)
     sq += part
-    t, t_u = _word_sums(c0, c1, c2, c3, c4, c5, c6, c7, u0, u1, u2, u3, u4, u5, u6, u7,
-                        x0, x1, x2, x3, x4, x5, x6, x7, GATED, EXACT, QZERO)
+    s, b = load_scale_tile(qs_ptr, qb_ptr, offs_n, mask_n, k0, k_end, stride_qs, QROWS, QCOLS,
+                           QNG, QOFFSETS)
+    c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(words, ASM, EXACT)
+    t = _word_sums(c0, c1, c2, c3, c4, c5, c6, c7, x0, x1, x2, x3, x4, x5, x6, x7, EXACT, QZERO)
     acc = _fold_words(acc, t, s, b, sx, BLOCK_N, W, QNG, QOFFSETS, EXACT, QZERO)
-    if GATED:
+    if GATED:  # the "up" rows against the same activations
+        s_u, b_u = load_scale_tile(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, k_end,
+                                   stride_qs, QROWS, QCOLS, QNG, QOFFSETS)
+        u0, u1, u2, u3, u4, u5, u6, u7 = _unpack_words(words_u, ASM, EXACT)
+        t_u = _word_sums(u0, u1, u2, u3, u4, u5, u6, u7, x0, x1, x2, x3, x4, x5, x6, x7, EXACT,
+                         QZERO)
         acc_u = _fold_words(acc_u, t_u, s_u, b_u, sx, BLOCK_N, W, QNG, QOFFSETS, EXACT, QZERO)
     return acc, acc_u, sq
