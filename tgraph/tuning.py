@@ -239,8 +239,12 @@ class MoeTuning(_Section):
                                       "weights (decode kernels); more run the grouped GEMM")
     split_max_tokens: int = knob(8, "up to this many tokens the decode down projection runs "
                                     "a program per (token, expert), then a combine")
-    block_n: int = knob(16, "decode kernels: weight rows per program")
-    block_k: int = knob(512, "decode kernels: K per step")
+    block_n: int = knob(16, "decode kernels on quantized experts: weight rows per program")
+    block_k: int = knob(512, "decode kernels on quantized experts: K per step")
+    dense_block_n: int = knob(4, "decode kernels on 16-bit experts: weight rows per program "
+                                 "(their products summed in runs of 8 columns leave registers "
+                                 "for many small programs)")
+    dense_block_k: int = knob(1024, "decode kernels on 16-bit experts: K per step")
     grouped_block_m: int = knob(64, "grouped GEMM: the largest block of (token, expert) pairs")
     grouped_block_n: int = knob(64, "grouped GEMM: output columns per program")
     grouped_block_k: int = knob(64, "grouped GEMM: K per step")

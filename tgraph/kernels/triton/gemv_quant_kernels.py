@@ -10,7 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tgraph.kernels.triton.gemv_tiles import load_x_tile, mac
+from tgraph.kernels.triton.gemv_tiles import fold_columns, load_x_tile, mac
 from tgraph.kernels.triton.quant_tiles import (
     dequantize_groups,
     fold_part,
@@ -53,15 +53,8 @@ def load_q_tile(w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0, k
     return v, v_u, s, b, s_u, b_u, offs_k, offs_k < k_end
 
 
+# A one-row tile of one-byte codes is summed in runs of 16 columns (one thread's 16-byte load).
 ROW_FOLD: tl.constexpr = tl.constexpr(16)
-
-
-@triton.jit
-def _folded(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """A one-row tile's ``[BLOCK_N, BLOCK_K]`` products summed in runs of ``ROW_FOLD`` columns
-    (one thread's 16-byte load of codes): the accumulator is 16 times narrower, registers an
-    8-bit tile's own products would otherwise hold."""
-    return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // ROW_FOLD, ROW_FOLD]), axis=2)
 
 
 @triton.jit
@@ -77,11 +70,12 @@ def k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr, offs_k, mask
     sq += part
     # One return at the end: Triton compiles no return inside a branch.
     if BLOCK_M == 1:
-        acc += _folded(dequantize_groups(v, s, b, QZERO, QOFFSETS, BLOCK_N, BLOCK_K, QNG) * xv,
-                       BLOCK_N, BLOCK_K)
+        acc += fold_columns(dequantize_groups(v, s, b, QZERO, QOFFSETS, BLOCK_N, BLOCK_K, QNG)
+                            * xv, BLOCK_N, BLOCK_K, ROW_FOLD)
         if GATED:
-            acc_u += _folded(dequantize_groups(v_u, s_u, b_u, QZERO, QOFFSETS, BLOCK_N, BLOCK_K,
-                                               QNG) * xv, BLOCK_N, BLOCK_K)
+            acc_u += fold_columns(dequantize_groups(v_u, s_u, b_u, QZERO, QOFFSETS, BLOCK_N,
+                                                    BLOCK_K, QNG) * xv, BLOCK_N, BLOCK_K,
+                                  ROW_FOLD)
     else:
         xd = xv.to(v.dtype)
         # The row sums of exactly the values the products see (x rounded to the MMA's dtype).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["load_x_tile", "mac"]
+__all__ = ["fold_columns", "load_x_tile", "mac"]
 
 
 @triton.jit
@@ -48,3 +48,11 @@ def mac(acc, w, xv, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr, SWAP_AB: tl.co
         return tl.dot(xv.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
     else:
         return tl.dot(xv.to(w.dtype), tl.trans(w), acc)
+
+
+@triton.jit
+def fold_columns(prod, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RUN: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_K]`` tile of products summed in runs of ``RUN`` columns (one thread's
+    16-byte load of weights): accumulated so, a one-row GEMV holds ``RUN`` times fewer fp32
+    registers than a ``[BLOCK_N, BLOCK_K]`` accumulator, for one addition more per weight."""
+    return tl.sum(tl.reshape(prod, [BLOCK_N, BLOCK_K // RUN, RUN]), axis=2)

@@ -12,7 +12,8 @@ After the routing kernel (:func:`~tgraph.kernels.triton.moe_routing.route_topk`)
    program per (pair, block of hidden rows) writes its weighted share in fp32 and
    :func:`combine_pairs` adds a token's shares.
 
-Both are elementwise-FMA GEMVs over ``[BLOCK_N, BLOCK_K]`` tiles (as the bf16 GEMV of one row);
+Both are elementwise-FMA GEMVs over ``[BLOCK_N, BLOCK_K]`` tiles (16-bit tiles summed in runs of
+``FOLD`` columns into a narrow accumulator);
 quantized experts are multiplied on their codes, each tile's scales folded once per row
 (:mod:`tgraph.kernels.triton.moe_tiles`). A step reads ``top_k / experts`` of the experts'
 bytes. Many tokens take the grouped kernels of
@@ -25,6 +26,7 @@ import triton
 import triton.language as tl
 
 from tgraph.kernels.triton.checks import check_device, check_tensor
+from tgraph.kernels.triton.gemv_tiles import fold_columns
 from tgraph.kernels.triton.moe_routing import route_topk
 from tgraph.kernels.triton.moe_tiles import expert_dot, expert_tile, expert_weight
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
@@ -38,6 +40,10 @@ _TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.
 def tl_dtype(dtype: torch.dtype) -> tl.dtype:
     """Triton's name for a float dtype."""
     return _TL[dtype]
+
+
+# 16-bit tiles are summed in runs of 8 columns (one thread's 16-byte load; gemv_tiles).
+FOLD: tl.constexpr = tl.constexpr(8)
 
 
 @triton.jit
@@ -67,18 +73,20 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, b_ptr, h_ptr, H, INTER, TOP_K,
                             stride_s, xv, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
                             BLOCK_N, BLOCK_K)
     else:
-        acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc_g = tl.zeros((BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             xv = tl.load(x_ptr + token * stride_xt + offs_k, mask=offs_k < H, other=0.0)
             xv = xv.to(tl.float32)[None, :]
-            acc_g += expert_tile(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w,
+            tile_g = expert_tile(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w,
                                  stride_s, False, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
-                                 BLOCK_N, BLOCK_K, DTYPE).to(tl.float32) * xv
-            acc_u += expert_tile(w_ptr, s_ptr, b_ptr, gate_rows + INTER, mask_n, k0, H,
+                                 BLOCK_N, BLOCK_K, DTYPE)
+            acc_g += fold_columns(tile_g.to(tl.float32) * xv, BLOCK_N, BLOCK_K, FOLD)
+            tile_u = expert_tile(w_ptr, s_ptr, b_ptr, gate_rows + INTER, mask_n, k0, H,
                                  stride_w, stride_s, False, KIND, NATIVE_FP8, ZERO, OFFSETS,
-                                 QROWS, QCOLS, BLOCK_N, BLOCK_K, DTYPE).to(tl.float32) * xv
+                                 QROWS, QCOLS, BLOCK_N, BLOCK_K, DTYPE)
+            acc_u += fold_columns(tile_u.to(tl.float32) * xv, BLOCK_N, BLOCK_K, FOLD)
         g = tl.sum(acc_g, axis=1)
         u = tl.sum(acc_u, axis=1)
     h = g * tl.sigmoid(g) * u
@@ -113,14 +121,15 @@ def _down_kernel(h_ptr, ids_ptr, p_ptr, w_ptr, s_ptr, b_ptr, out_ptr, H, INTER, 
                                 stride_s, hv.to(tl.float32), KIND, NATIVE_FP8, ZERO, OFFSETS,
                                 QROWS, QCOLS, BLOCK_N, BLOCK_K)
         else:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_N, BLOCK_K // FOLD), dtype=tl.float32)
             for k0 in range(0, INTER, BLOCK_K):
                 offs_k = k0 + tl.arange(0, BLOCK_K)
                 hv = tl.load(h_ptr + pair * stride_ht + offs_k, mask=offs_k < INTER, other=0.0)
-                acc += expert_tile(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, INTER, stride_w,
+                tile = expert_tile(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, INTER, stride_w,
                                    stride_s, False, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS,
-                                   QCOLS, BLOCK_N, BLOCK_K, DTYPE).to(tl.float32) \
-                    * hv.to(tl.float32)[None, :]
+                                   QCOLS, BLOCK_N, BLOCK_K, DTYPE)
+                acc += fold_columns(tile.to(tl.float32) * hv.to(tl.float32)[None, :], BLOCK_N,
+                                    BLOCK_K, FOLD)
             y = tl.sum(acc, axis=1)
         out += share * y
     tl.store(out_ptr + tl.program_id(0) * stride_ot + offs_n,

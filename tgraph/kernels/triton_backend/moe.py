@@ -35,12 +35,20 @@ def _per_token(x: torch.Tensor, tuning: Tuning) -> bool:
     return tuning.moe.split_max_tokens < x.shape[0] <= tuning.moe.decode_max_tokens
 
 
+def _decode_tiles(w13, tuning: Tuning) -> dict[str, int]:
+    """The decode kernels' tiles: quantized experts' or 16-bit experts' settings."""
+    t = tuning.moe
+    if is_quantized(w13):
+        return {"block_n": t.block_n, "block_k": t.block_k}
+    return {"block_n": t.dense_block_n, "block_k": t.dense_block_k}
+
+
 def _per_token_moe(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, out: torch.Tensor,
                    tuning: Tuning, top_k: int, renormalize: bool) -> None:
     from tgraph.kernels.triton.moe import moe_decode
 
-    moe_decode(x, router_logits, w13, w2, out, top_k, renormalize, block_n=tuning.moe.block_n,
-               block_k=tuning.moe.block_k, split=False)
+    moe_decode(x, router_logits, w13, w2, out, top_k, renormalize, split=False,
+               **_decode_tiles(w13, tuning))
 
 
 def _shares(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, tuning: Tuning, top_k: int,
@@ -51,7 +59,7 @@ def _shares(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, tuning: Tunin
         from tgraph.kernels.triton.moe import moe_decode_shares
 
         return moe_decode_shares(x, router_logits, w13, w2, top_k, renormalize,
-                                 block_n=t.block_n, block_k=t.block_k)
+                                 **_decode_tiles(w13, tuning))
     from tgraph.kernels.triton.moe_grouped import moe_grouped_shares
 
     return moe_grouped_shares(x, router_logits, w13, w2, top_k, renormalize,
