@@ -88,43 +88,25 @@ def k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr, offs_k, mask
     return acc, acc_u, sq
 
 
-# The eight codes of an int32 word of int4 bytes as fp32 bits, one PRMT per code under the
-# exponent byte of the magic operand: EXACT puts a masked nibble's byte at byte 0 of 0x4B000000
-# (2**23 + q); otherwise at byte 2 of 0x3F000000 (0.5 + q / 256, see _word_sums).
-_UNPACK_WORD_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 lo, hi, magic;
-mov.b32 magic, 0x4B000000;
-and.b32 lo, $8, 0x0F0F0F0F;
-shr.u32 hi, $8, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, magic, 0x7540;
-prmt.b32 $1, lo, magic, 0x7541;
-prmt.b32 $2, lo, magic, 0x7542;
-prmt.b32 $3, lo, magic, 0x7543;
-prmt.b32 $4, hi, magic, 0x7540;
-prmt.b32 $5, hi, magic, 0x7541;
-prmt.b32 $6, hi, magic, 0x7542;
-prmt.b32 $7, hi, magic, 0x7543;
-}
-""")
-_UNPACK_WORD_HALF_ASM: tl.constexpr = tl.constexpr("""
-{
-.reg .b32 lo, hi, magic;
-mov.b32 magic, 0x3F000000;
-and.b32 lo, $8, 0x0F0F0F0F;
-shr.u32 hi, $8, 4;
-and.b32 hi, hi, 0x0F0F0F0F;
-prmt.b32 $0, lo, magic, 0x7054;
-prmt.b32 $1, lo, magic, 0x7154;
-prmt.b32 $2, lo, magic, 0x7254;
-prmt.b32 $3, lo, magic, 0x7354;
-prmt.b32 $4, hi, magic, 0x7054;
-prmt.b32 $5, hi, magic, 0x7154;
-prmt.b32 $6, hi, magic, 0x7254;
-prmt.b32 $7, hi, magic, 0x7354;
-}
-""")
+def _unpack_word_ptx(magic: int, byte_at: int) -> str:
+    """PTX for the eight codes of an int32 word of int4 bytes as fp32 bits: the low nibbles of
+    bytes 0-3, then the high ones, each masked nibble's byte put by one PRMT at byte ``byte_at``
+    (0 or 2) of ``magic``, whose other bytes fill the rest."""
+    lines = [".reg .b32 lo, hi, magic;", f"mov.b32 magic, {magic:#010x};",
+             "and.b32 lo, $8, 0x0F0F0F0F;", "shr.u32 hi, $8, 4;", "and.b32 hi, hi, 0x0F0F0F0F;"]
+    sources = [("lo", byte) for byte in range(4)] + [("hi", byte) for byte in range(4)]
+    for out, (src, byte) in enumerate(sources):
+        # PRMT selector: result byte k is source byte 4 + k (magic's own) but at byte_at
+        picks = [byte if k == byte_at else 4 + k for k in range(4)]
+        selector = sum(pick << (4 * k) for k, pick in enumerate(picks))
+        lines.append(f"prmt.b32 ${out}, {src}, magic, {selector:#06x};")
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# EXACT: a nibble under the exponent byte 0x4B at byte 0, 2**23 + q; otherwise at byte 2 of
+# 0x3F000000, 0.5 + q / 256 (see _word_sums).
+_UNPACK_WORD_ASM: tl.constexpr = tl.constexpr(_unpack_word_ptx(0x4B000000, 0))
+_UNPACK_WORD_HALF_ASM: tl.constexpr = tl.constexpr(_unpack_word_ptx(0x3F000000, 2))
 
 
 @triton.jit
