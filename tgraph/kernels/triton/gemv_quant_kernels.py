@@ -126,16 +126,11 @@ def _unpack_words(words, ASM: tl.constexpr, EXACT: tl.constexpr):
     then the high ones (1, 3, 5, 7). ``ASM``: by PTX (two integer operations per code fewer);
     else by Triton's integer ops (the interpreter)."""
     if ASM:
-        if EXACT:
-            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                _UNPACK_WORD_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
-                       tl.int32), is_pure=True, pack=1)
-        else:
-            c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
-                _UNPACK_WORD_HALF_ASM, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
-                dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
-                       tl.int32), is_pure=True, pack=1)
+        PTX: tl.constexpr = _UNPACK_WORD_ASM if EXACT else _UNPACK_WORD_HALF_ASM
+        c0, c1, c2, c3, c4, c5, c6, c7 = tl.inline_asm_elementwise(
+            PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [words],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32, tl.int32,
+                   tl.int32), is_pure=True, pack=1)
     else:
         lo = words & 0x0F0F0F0F
         hi = (words >> 4) & 0x0F0F0F0F
