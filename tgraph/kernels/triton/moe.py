@@ -42,7 +42,8 @@ def tl_dtype(dtype: torch.dtype) -> tl.dtype:
     return _TL[dtype]
 
 
-# 16-bit tiles are summed in runs of 8 columns (one thread's 16-byte load; gemv_tiles).
+# Dense tiles are summed in runs of 8 columns: one thread's 16-byte load of 16-bit weights
+# (fp32 experts, the interpreter's, fold the same 8; see gemv_tiles.fold_columns).
 FOLD: tl.constexpr = tl.constexpr(8)
 
 
