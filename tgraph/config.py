@@ -191,6 +191,14 @@ SCHEMA: dict[str, Any] = {
             "prefix_caching": Field(
                 _bool(), "reuse the KV-cache blocks of prompt prefixes already computed"),
         },
+        "lora": {
+            "max_loras": Field(_int(1), "per-request (multi-LoRA) adapters loaded at once"),
+            "max_rank": Field(_int(1), "the largest LoRA rank an adapter may have"),
+            "merge_single": Field(
+                _bool(), "add the adapter applied to every request (single_lora) into the "
+                "weights, so steps cost what the base model's do; the adapted weights are kept "
+                "on the host to restore them exactly (a quantized base is never merged)"),
+        },
         "scheduler": {
             "max_num_seqs": Field(_int(1), "most sequences in one batch"),
             "max_num_batched_tokens": Field(_int(1), "most tokens in one prefill batch"),

@@ -102,11 +102,15 @@ def test_write_random_adapter_bad_input(tmp_path):
     assert json.loads((first / "adapter_config.json").read_text())["r"] == 16
 
 
-def test_measure_lora_decode_smoke_cpu():
-    """The whole measurement at a tiny shape (wall-clock timing on CPU, no CUDA graphs)."""
+@pytest.mark.parametrize("merge", [True, False])
+def test_measure_lora_decode_smoke_cpu(merge):
+    """The whole measurement at a tiny shape (wall-clock timing on CPU, no CUDA graphs), with
+    the single adapter merged into the weights and recorded in its engines."""
     r = measure_lora_decode(TINY, batch=8, context=16, max_loras=4, rank=4,
-                            dtype=torch.float32, device="cpu", warmup=1, iters=2)
+                            dtype=torch.float32, device="cpu", warmup=1, iters=2,
+                            merge_single=merge)
     assert not r.skipped, r.skipped
+    assert r.merge_single is merge
     assert set(r.decode_ms) == {"base", "multi_lora", "single_lora", "single+multi"}
     assert all(ms > 0 for ms in r.decode_ms.values())
     assert r.ratios["base"] == 1.0

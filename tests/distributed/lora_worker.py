@@ -33,12 +33,18 @@ def generate(llm: Any) -> list[list[int]]:
     return [out.token_ids for out in llm.generate(PROMPTS, params)]
 
 
-def run(model: str, adapters: Path, graph: str, timeout: float) -> dict[str, Any]:
-    """Tokens with ``dom`` then ``dom2`` as the single adapter, and the engines built."""
+def run(model: str, adapters: Path, mode: str, timeout: float) -> dict[str, Any]:
+    """Tokens with ``dom`` then ``dom2`` as the single adapter, and the engines built.
+
+    ``mode``: the graph mode (``static`` / ``eager``), the single adapter recorded in the
+    engines; with ``+merged`` it is merged into the weights instead (``llm.lora.merge_single``).
+    """
     from tgraph.runtime.llm import LLM
 
+    graph, _, merged = mode.partition("+")
     llm = LLM(model, graph=graph, dist_timeout=timeout, single_lora=adapters / "dom",
-              loras={n: adapters / n for n in MULTI}, **LLM_OPTIONS)
+              loras={n: adapters / n for n in MULTI}, **LLM_OPTIONS,
+              **{"llm.lora.merge_single": merged == "merged"})
     report: dict[str, Any] = {"rank": llm.rank, "world_size": llm.world_size,
                               "dom": generate(llm)}
     built = sorted(str(key) for key in llm.model.engines)

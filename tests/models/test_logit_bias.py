@@ -230,15 +230,18 @@ def test_stacked_with_multi_lora_matches_peft(adapters, graph):
                                   (False, ("logit_bias", "multi_lora"))}
 
 
-def test_stacked_with_single_lora_matches_peft(adapters):
+@pytest.mark.parametrize("merge", [False, True])
+def test_stacked_with_single_lora_matches_peft(adapters, merge):
+    """Recorded: one engine for both features; merged: the logit-bias engine on the merged
+    weights."""
     tm, root, peft = adapters
-    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8}})
+    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8, "merge": merge}})
     model.features["single_lora"].load("mlp", root / "mlp")
     model.features["single_lora"].activate("mlp")
     tokens, rows = run_trace(model, PROMPTS[:4], cases)
     check_trace(tokens, rows, PROMPTS[:4], [peft["mlp"]] * 4, cases)
-    assert set(model.engines) == {(True, ("logit_bias", "single_lora")),
-                                  (False, ("logit_bias", "single_lora"))}
+    features = ("logit_bias",) if merge else ("logit_bias", "single_lora")
+    assert set(model.engines) == {(True, features), (False, features)}
 
 
 # ---- the model-inputs hook ----------------------------------------------------------------------

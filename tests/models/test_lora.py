@@ -108,31 +108,70 @@ def assert_matches(results, oracles, base_hf) -> None:
 
 
 # ---- single adapter ------------------------------------------------------------------------------
-@pytest.mark.parametrize("graph", ["static", "eager"])
-def test_single_adapter_matches_peft(lora_setup, graph):
+@pytest.mark.parametrize("graph,merge", [("static", True), ("static", False),
+                                         ("eager", True), ("eager", False)])
+def test_single_adapter_matches_peft(lora_setup, graph, merge):
+    """Merged into the weights (the base engines serve it) or recorded (engines of its own)."""
     tm, root, peft = lora_setup
-    model = load_tiny(tm.path, graph, features={"single_lora": {"max_rank": 8}})
+    model = load_tiny(tm.path, graph, features={"single_lora": {"max_rank": 8, "merge": merge}})
     single = model.features["single_lora"]
     single.load("all", root / "all")
     single.activate("all")
+    assert single.merged is merge
     results = run_steps(model, PROMPTS[:3], None)
     assert_matches(results, [peft["all"]] * 3, tm.hf)
-    assert set(model.engines) == {(True, ("single_lora",)), (False, ("single_lora",))}
+    features = () if merge else ("single_lora",)
+    assert set(model.engines) == {(True, features), (False, features)}
 
 
-def test_single_switching_adapters_never_rebuilds(lora_setup):
+@pytest.mark.parametrize("merge", [True, False])
+def test_single_switching_adapters_never_rebuilds(lora_setup, merge):
     tm, root, peft = lora_setup
-    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8}})
+    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8, "merge": merge}})
     single = model.features["single_lora"]
+    targets = {t.key: t.linear for t in single.targets}
+    originals = {key: linear.weight.data.clone() for key, linear in targets.items()}
     for name in ("qv", "mlp"):
         single.load(name, root / name)
     for name in ("qv", "mlp", None, "qv"):
         single.activate(name)
         results = run_steps(model, PROMPTS[:2], None, steps=1)
         assert_matches(results, [peft[name] if name else tm.hf] * 2, tm.hf)
-    # two kinds of batch (prefill, decode) x two feature combinations ((), single_lora)
-    assert set(model.engines) == {(True, ()), (False, ()), (True, ("single_lora",)),
-                                  (False, ("single_lora",))}
+    # two kinds of batch (prefill, decode) x the feature combinations ((), single_lora)
+    recorded = set() if merge else {(True, ("single_lora",)), (False, ("single_lora",))}
+    assert set(model.engines) == {(True, ()), (False, ())} | recorded
+    # clearing the adapter gives the base weights back bit for bit (merged: from the host copy)
+    single.activate(None)
+    for key, linear in targets.items():
+        assert torch.equal(linear.weight.data, originals[key]), key
+    assert single.host_bytes == 0
+
+
+def test_merged_single_adapter_reloaded_and_unloaded_in_place(lora_setup, tmp_path):
+    """Replacing the active adapter's files re-merges from the base weights (the old delta is not
+    left behind); unloading the active adapter restores the base."""
+    tm, root, peft = lora_setup
+    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8}})
+    single = model.features["single_lora"]
+    linear = single.targets[0].linear
+    original = linear.weight.data.clone()
+    single.load("x", root / "qv")
+    single.activate("x")
+    assert not torch.equal(linear.weight.data, original)
+    assert single.host_bytes == sum(t.linear.weight.data.numel() * 4 for t in single.targets)
+    single.load("x", root / "mlp")  # the active adapter's weights replaced: mlp alone applies
+    assert_matches(run_steps(model, PROMPTS[:2], None, steps=1), [peft["mlp"]] * 2, tm.hf)
+    single.unload("x")
+    assert single.active is None and torch.equal(linear.weight.data, original)
+    assert_matches(run_steps(model, PROMPTS[:2], None, steps=1), [tm.hf] * 2, tm.hf)
+
+
+def test_single_lora_merge_setting_is_checked(lora_setup):
+    tm, _, _ = lora_setup
+    with pytest.raises(ConfigError, match="merge must be true or false"):
+        load_tiny(tm.path, features={"single_lora": {"merge": "yes"}})
+    with pytest.raises(ConfigError, match="unknown settings \\['max_loras'\\]"):
+        load_tiny(tm.path, features={"single_lora": {"max_loras": 2}})
 
 
 # ---- multi adapter -------------------------------------------------------------------------------
@@ -209,7 +248,7 @@ def test_multi_batch_arrays_follow_adapter_and_batch_changes(lora_setup):
 
 def test_engines_built_per_feature_combination(lora_setup):
     tm, root, peft = lora_setup
-    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8},
+    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8, "merge": False},
                                          "multi_lora": {"max_rank": 8}})
     single, multi = model.features["single_lora"], model.features["multi_lora"]
     single.load("qv", root / "qv")
@@ -386,7 +425,7 @@ def test_weights_are_held_once_and_the_base_engine_is_unchanged(lora_setup):
     that view and compute the same logits, bit for bit (the same fp32 values, read with another
     row stride)."""
     tm, root, _ = lora_setup
-    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8},
+    model = load_tiny(tm.path, features={"single_lora": {"max_rank": 8, "merge": False},
                                          "multi_lora": {"max_rank": 8, "max_loras": 3}})
     before = _base_logits(model)
     engines = dict(model.engines)

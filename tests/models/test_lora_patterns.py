@@ -135,10 +135,11 @@ def test_multi_lora_matches_peft(pattern_setup, graph):
     assert set(model.engines) == {(True, ("multi_lora",)), (False, ("multi_lora",))}
 
 
-@pytest.mark.parametrize("graph", ["static", "eager"])
-def test_single_lora_matches_peft(pattern_setup, graph):
+@pytest.mark.parametrize("graph,merge", [("static", False), ("eager", False), ("static", True)])
+def test_single_lora_matches_peft(pattern_setup, graph, merge):
     tm, root, peft = pattern_setup
-    model = load_tiny(tm.path, graph, features={"single_lora": {"max_rank": MAX_RANK}})
+    model = load_tiny(tm.path, graph, features={"single_lora": {"max_rank": MAX_RANK,
+                                                                "merge": merge}})
     single = model.features["single_lora"]
     for name in ADAPTERS:
         single.load(name, root / name)
@@ -147,7 +148,8 @@ def test_single_lora_matches_peft(pattern_setup, graph):
         results = run_steps(model, PROMPTS[:3], None)
         check_against_peft(results, PROMPTS[:3], [peft[name]] * 3, tm.hf)
     # switching adapters of different per-module ranks rebuilt nothing
-    assert set(model.engines) == {(True, ("single_lora",)), (False, ("single_lora",))}
+    features = () if merge else ("single_lora",)
+    assert set(model.engines) == {(True, features), (False, features)}
 
 
 def test_max_rank_is_checked_against_the_largest_module_rank(pattern_setup):

@@ -22,7 +22,7 @@ import torch
 from tests.helpers import build_with_triton_backend
 from tests.models.conftest import load_tiny
 from tests.models.test_lora import make_adapter, oracle_logits, rel_err, run_steps
-from tgraph.errors import WeightLoadError
+from tgraph.errors import ConfigError, WeightLoadError
 from tgraph.testing import make_tiny_text_model
 
 REL_TOL = 1e-4
@@ -31,8 +31,11 @@ PROMPTS = [[1, 5, 9, 22, 7, 3, 100], [3, 4], [17, 150, 8, 8, 191, 0, 42], [121, 
 # with a single adapter active: two requests name multi adapters, two name none
 LORAS: list[str | None] = ["qv", None, "mlp", None]
 DECODE_STEPS = 3
-FEATURES = {"single_lora": {"max_rank": 8}, "multi_lora": {"max_rank": 8, "max_loras": 2}}
+# the single adapter recorded in the engines (merge: false) unless a test merges it
+FEATURES = {"single_lora": {"max_rank": 8, "merge": False},
+            "multi_lora": {"max_rank": 8, "max_loras": 2}}
 STACKED = ("multi_lora", "single_lora")
+MULTI_ONLY = ("multi_lora",)
 SHRINK_OPS = ("lora_shrink_concat", "rms_norm_lora_concat", "add_rms_norm_lora_concat")
 
 # name -> (seed, LoraConfig kwargs). "dom" and "dom2" are single adapters (every module, one
@@ -84,10 +87,11 @@ def stack_setup(request, tiny_model, tmp_path_factory):
     return tm, root, Oracles(tm.hf, root)
 
 
-def stacked_model(tm: Any, root: Path, graph: str = "static") -> Any:
-    """The tiny model with "dom" and "dom2" loaded as single adapters ("dom" active) and "qv",
-    "mlp" as multi adapters."""
-    model = load_tiny(tm.path, graph, features=FEATURES)
+def stacked_model(tm: Any, root: Path, graph: str = "static", merge: bool = False) -> Any:
+    """The tiny model with "dom" and "dom2" loaded as single adapters ("dom" active; merged into
+    the weights with ``merge``) and "qv", "mlp" as multi adapters."""
+    features = {**FEATURES, "single_lora": {**FEATURES["single_lora"], "merge": merge}}
+    model = load_tiny(tm.path, graph, features=features)
     single, multi = model.features["single_lora"], model.features["multi_lora"]
     for name in SINGLE:
         single.load(name, root / name)
@@ -127,6 +131,17 @@ def check_against_peft(results, oracles: Oracles, single: str | None, loras, ste
 
 
 # ---- stacking, against PEFT --------------------------------------------------------------------
+@pytest.mark.parametrize("graph", ["static", "eager"])
+def test_merged_single_under_multi_matches_peft(stack_setup, graph):
+    """The single adapter merged into the weights: the same mixed batch runs the multi-LoRA
+    engines alone, on the merged weights, and every request equals PEFT."""
+    tm, root, oracles = stack_setup
+    model = stacked_model(tm, root, graph, merge=True)
+    results = run_steps(model, PROMPTS, LORAS)
+    check_against_peft(results, oracles, "dom", LORAS, DECODE_STEPS)
+    assert set(model.engines) == {(True, MULTI_ONLY), (False, MULTI_ONLY)}
+
+
 @pytest.mark.parametrize("graph", ["static", "eager"])
 def test_single_and_multi_stacked_match_peft(stack_setup, graph):
     """One batch with the single adapter active, two requests naming multi adapters and two
@@ -168,11 +183,12 @@ def test_stacked_triton_backend_matches_peft(stack_setup, monkeypatch):
         assert all(f"triton.{op}" in text for op in SHRINK_OPS), text
 
 
-def test_switching_the_single_adapter_builds_no_engine(stack_setup):
+@pytest.mark.parametrize("merge", [False, True])
+def test_switching_the_single_adapter_builds_no_engine(stack_setup, merge):
     """With every combination built once, switching the single adapter (to another, to none
     and back) builds nothing, and each batch follows the adapter active at its step."""
     tm, root, oracles = stack_setup
-    model = stacked_model(tm, root)
+    model = stacked_model(tm, root, merge=merge)
     single = model.features["single_lora"]
     run_steps(model, PROMPTS[:2], LORAS[:2], steps=1)  # stacked
     run_steps(model, PROMPTS[:2], [None, None], steps=1)  # single alone
@@ -180,7 +196,8 @@ def test_switching_the_single_adapter_builds_no_engine(stack_setup):
     run_steps(model, PROMPTS[:2], LORAS[:2], steps=1)  # multi alone
     run_steps(model, PROMPTS[:2], [None, None], steps=1)  # base
     engines = dict(model.engines)
-    assert len(engines) == 8  # (prefill, decode) x (base, single, multi, stacked)
+    # (prefill, decode) x (base, single, multi, stacked); merged: x (base, multi)
+    assert len(engines) == (4 if merge else 8)
     assert str(engines[(False, ())]).splitlines()[1] == "  features: none"
     assert str(engines[(True, ("multi_lora",))]).splitlines()[1] == "  features: multi_lora"
     for active in ("dom2", None, "dom", "dom2"):
@@ -251,6 +268,28 @@ def test_llm_single_lora_with_per_request_adapters(llama_setup):
     assert llm.single_lora is None and not llm.model.features["single_lora"].adapters
     assert _llm_generate(llm, prompts, picks, steps) == expect(None)
     llm.close()
+
+
+def test_llm_lora_settings_reach_the_features(llama_setup):
+    """``llm.lora``: the single adapter recorded in engines instead of merged, and the slots
+    and rank the features take."""
+    from tgraph.runtime.llm import LLM
+
+    tm, root, oracles = llama_setup
+    llm = LLM(tm.path, single_lora=root / "dom", loras={"qv": root / "qv"}, **LLM_OPTIONS,
+              **{"llm.lora.merge_single": False, "llm.lora.max_loras": 1,
+                 "llm.lora.max_rank": 8})
+    single, multi = llm.model.features["single_lora"], llm.model.features["multi_lora"]
+    assert not single.merged and multi.max_loras == 1 and single.max_rank == multi.max_rank == 8
+    picks = ["qv", None]
+    assert _llm_generate(llm, PROMPTS[:2], picks, 2) == \
+        [peft_greedy(oracles.of("dom", m), p, 2) for p, m in zip(PROMPTS[:2], picks)]
+    assert (False, STACKED) in llm.model.engines
+    with pytest.raises(ConfigError, match="max_loras=1"):
+        llm.load_lora("mlp", root / "mlp")
+    llm.close()
+    with pytest.raises(ConfigError, match="llm.lora.max_rank"):
+        LLM(tm.path, **LLM_OPTIONS, **{"llm.lora.max_rank": 0})
 
 
 @pytest.fixture(scope="module")

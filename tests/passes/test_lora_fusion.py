@@ -38,7 +38,7 @@ def _run(tmp_path: Path, disabled: tuple[str, ...],
     weights = random_weights(HF, torch.float32, "cpu")
     features = {"multi_lora": {"max_rank": 4, "max_loras": 2}}
     if stacked:
-        features["single_lora"] = {"max_rank": 8}
+        features["single_lora"] = {"max_rank": 8, "merge": False}  # its own shrink set
     model = build_model(config, DictWeightLoader(weights, device="cpu", dtype=torch.float32),
                         max_model_len=64, disabled_passes=disabled, features=features)
     model.allocate_kv_cache(32)

@@ -10,7 +10,12 @@ at context 512:
   requests at batch 16: every slot is live and tokens of one adapter are not contiguous);
 * ``single_lora``: one adapter applied to every request;
 * ``single+multi``: both stacked, the mixed multi-LoRA batch with a single adapter active for
-  every request (one engine built for the combination).
+  every request.
+
+The single adapter is measured both ways it can be applied (``single_lora``'s ``merge`` setting,
+``llm.lora.merge_single``), one model build each: merged into the weights (the default: the base
+and multi-LoRA engines serve it) and recorded in engines of its own (one engine built for the
+combination when stacked, as for a quantized base).
 
 Every adapted linear runs as one GEMM on ``[x | shrink]`` and the weight storage ``[W | B
 columns]`` (see :mod:`tgraph.models.base.lora_features`); the base model runs on a view of the
@@ -169,6 +174,8 @@ class LoraBenchResult:
         single_vs_multi: ``max|single - multi| / max|multi|`` over the requests that used the
             single run's adapter in the multi run.
         skipped: system -> why it was not measured.
+        merge_single: the single adapter was merged into the weights (else recorded in its
+            engines).
     """
 
     preset: str
@@ -188,6 +195,7 @@ class LoraBenchResult:
     logit_change: dict[str, float] = field(default_factory=dict)
     single_vs_multi: float | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    merge_single: bool = True
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -234,7 +242,8 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
                         max_loras: int = MAX_LORAS, rank: int = RANK,
                         dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
                         warmup: int = 3, iters: int = 30, preset_name: str = "custom",
-                        cuda_graph: bool = True, profile: bool = False) -> LoraBenchResult:
+                        cuda_graph: bool = True, profile: bool = False,
+                        merge_single: bool = True) -> LoraBenchResult:
     """Time one decode step of the base model, a mixed multi-LoRA batch, a single adapter, and
     both stacked.
 
@@ -255,6 +264,7 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
         profile: also print each system's CUDA kernels by total time (torch profiler, 20 steps)
             and one step kernel by kernel (:mod:`tgraph.bench.timeline`), after every system is
             timed (the profiler leaves graph launches slower for the rest of the process).
+        merge_single: merge the single adapter into the weights (else record it in engines).
 
     Returns:
         The measurement; a system that raised is listed in ``skipped`` with the error.
@@ -271,14 +281,14 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
     config = ModelConfig.from_dict(hf_config)
     weights = random_weights(hf_config, dtype, str(device))
     features = {"multi_lora": {"max_rank": rank, "max_loras": max_loras},
-                "single_lora": {"max_rank": rank}}
+                "single_lora": {"max_rank": rank, "merge": merge_single}}
     model = build_model(config, DictWeightLoader(weights, device=device, dtype=dtype),
                         max_model_len=context + 64, features=features, cuda_graph=cuda_graph)
     del weights
     block_size = model.llm_config.block_size
     model.allocate_kv_cache(batch * -(-(context + 1) // block_size) + 1)
     result = LoraBenchResult(preset_name, str(device), str(dtype).replace("torch.", ""), batch,
-                             context, max_loras, rank)
+                             context, max_loras, rank, merge_single=merge_single)
     # Adapters first: the first load lays the target weights out beside their LoRA columns, which
     # engines built (and graphs captured) before would have to be rebound to.
     multi, single = model.features["multi_lora"], model.features["single_lora"]
@@ -311,7 +321,9 @@ def measure_lora_decode(hf_config: dict[str, Any], *, batch: int = BATCH, contex
             result.first_step_s[system] = time.perf_counter() - start
             logits[system] = out.float().cpu()
             result.decode_ms[system] = _median_ms(step, device, warmup, iters)
-            engine = model.engines.get((False, _FEATURES[system]))
+            features = tuple(f for f in _FEATURES[system]
+                             if not (f == "single_lora" and single.merged))
+            engine = model.engines.get((False, features))
             result.captured_signatures[system] = int(getattr(engine, "captured_signatures", 0))
             if device.type == "cuda" and engine is not None and engine.captured_graphs:
                 from tgraph.bench.timing import host_ms, time_ms
@@ -368,19 +380,23 @@ def _print_profile(system: str, step: Callable[[], object], device: torch.device
 # ---- reporting -----------------------------------------------------------------------------------
 def print_table(results: Sequence[LoraBenchResult]) -> None:
     """Print one row per system of every result: ms, ratio to base, captured, first step."""
-    print(f"\n{'preset':<14} {'batch':>5} {'system':<12} {'decode ms':>10} {'x base':>7} "
+    print(f"\n{'preset':<14} {'batch':>5} {'single':<8} {'system':<12} {'decode ms':>10} "
+          f"{'x base':>7} "
           f"{'replay ms':>10} {'x base':>7} {'host ms':>8} "
           f"{'captured':>9} {'first step s':>13} {'logit change':>13}")
     for r in results:
         ratios, captured = r.ratios, r.captured
+        mode = "merged" if r.merge_single else "recorded"
         for system in SYSTEMS:
             if system in r.skipped:
-                print(f"{r.preset:<14} {r.batch:>5} {system:<12} skipped: {r.skipped[system]}")
+                print(f"{r.preset:<14} {r.batch:>5} {mode:<8} {system:<12} skipped: "
+                      f"{r.skipped[system]}")
                 continue
             change = r.logit_change.get(system)
             replay, base_replay = r.replay_ms.get(system), r.replay_ms.get("base")
             replay_ratio = replay / base_replay if replay and base_replay else float("nan")
-            print(f"{r.preset:<14} {r.batch:>5} {system:<12} {r.decode_ms[system]:10.3f} "
+            print(f"{r.preset:<14} {r.batch:>5} {mode:<8} {system:<12} "
+                  f"{r.decode_ms[system]:10.3f} "
                   f"{ratios.get(system, float('nan')):7.2f} "
                   f"{replay if replay else float('nan'):10.3f} {replay_ratio:7.2f} "
                   f"{r.host_ms.get(system, float('nan')):8.3f} "
@@ -403,7 +419,8 @@ def run_lora_bench(presets: Sequence[str] | None = None, batches: Sequence[int] 
 
     Args:
         presets: model presets (default: ``llama-3.2-1b``).
-        batches: decode batch sizes, one model build each.
+        batches: decode batch sizes, two model builds each (the single adapter merged, then
+            recorded).
         json_path: write the results (and the device) as JSON here.
         profile: print each system's kernels by time (see :func:`measure_lora_decode`).
 
@@ -418,11 +435,12 @@ def run_lora_bench(presets: Sequence[str] | None = None, batches: Sequence[int] 
             print(f"unknown preset {name}; known: {list(PRESETS)}")
             continue
         for b in batches:
-            results.append(measure_lora_decode(preset(name), batch=b, preset_name=name,
-                                                  profile=profile))
-            print_table(results[-1:])
-            gc.collect()  # the model of this run is garbage now: free its memory for the next
-            torch.cuda.empty_cache()
+            for merge in (True, False):
+                results.append(measure_lora_decode(preset(name), batch=b, preset_name=name,
+                                                      profile=profile, merge_single=merge))
+                print_table(results[-1:])
+                gc.collect()  # this run's model is garbage now: free its memory for the next
+                torch.cuda.empty_cache()
     if len(results) > 1:
         print_table(results)
     if json_path:

@@ -70,6 +70,13 @@ _SHORT_KEYS = {
 Prompts = str | Sequence[int] | Sequence[str | Sequence[int]]
 
 
+def _feature_settings(llm: Any) -> dict[str, dict[str, Any]]:
+    """The feature decorators' settings (``LlmConfig.features``) from ``llm.lora``."""
+    lora = llm.lora
+    return {"multi_lora": {"max_loras": lora.max_loras, "max_rank": lora.max_rank},
+            "single_lora": {"max_rank": lora.max_rank, "merge": lora.merge_single}}
+
+
 class LLM:
     """Load a model directory and serve prompts with continuous batching.
 
@@ -159,7 +166,7 @@ class LLM:
             block_size=llm.cache.block_size, batch_buckets=tuple(llm.engine.batch_buckets),
             prefill_graph_tokens=llm.engine.prefill_graph_tokens,
             disabled_passes=tuple(llm.engine.disabled_passes), tuning=tuning_of(settings),
-            rank=rank, world_size=world_size, rules=rules)
+            rank=rank, world_size=world_size, rules=rules, features=_feature_settings(llm))
         if world_size > 1:
             distributed.check_same_config(self.model.llm_config, what="model config")
         if self.model.llm_config.device.type == "cpu":

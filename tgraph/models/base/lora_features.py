@@ -16,6 +16,11 @@ the view. The multi-LoRA GEMM runs on ``storage[:, :K + multi region]``, paying 
 other feature: multi's mixed batches are the throughput case. The single-LoRA GEMM runs on the
 whole storage, its shrink writing zeros into multi's columns.
 
+A single adapter is merged into the target weights by default (``merge``; see
+:class:`SingleLoraDecorator`): the base and multi-LoRA engines then serve it, and it owns no
+columns. What follows is the single adapter recorded in engines (``merge: false``, or a quantized
+base).
+
 Stacking. The features declare each other compatible: while a single adapter is active and
 requests also name multi-LoRA adapters (``BatchMeta.loras``), the batch runs one engine built for
 both, whose adapted linears apply ``W x + B1 A1 x + B_r A_r x``. Recording gives each adapted
@@ -50,10 +55,12 @@ KV heads included); row-parallel ones (o, down) take their columns of A and keep
 rank's GEMM yields its partial sum ``x_r W_r + B (A_r x_r)``, and the base linear's one
 all-reduce sums both.
 
-Settings (``LlmConfig.features["single_lora"]`` / ``["multi_lora"]``):
+Settings (``LlmConfig.features["single_lora"]`` / ``["multi_lora"]``; ``LLM`` fills them from
+``llm.lora``):
     ``max_rank`` (16): the largest adapter rank accepted.
     ``target_modules`` (all of q/k/v/o/gate/up/down_proj): which linears get a delta.
     ``max_loras`` (4, multi only): adapters loaded at once.
+    ``merge`` (true, single only): merge the active adapter into dense target weights.
 """
 from __future__ import annotations
 
@@ -78,16 +85,17 @@ from tgraph.layers.lora import (
     pack_adapter,
 )
 from tgraph.layers.lora_bank import LoraWeightBank, aligned_width, attach_bank
+from tgraph.layers.lora_merge import MergedAdapter
 from tgraph.models.base.batch import BatchMeta
 from tgraph.models.base.features import FeatureDecorator
 from tgraph.nn import distributed
 from tgraph.nn import functional as F
 from tgraph.nn.module import Parameter
 from tgraph.nn.tensor import Tensor
+from tgraph.quant import is_quantized
 
 __all__ = ["MultiLoraDecorator", "SingleLoraDecorator", "shard_adapter"]
 
-_SETTINGS = {"max_rank", "target_modules", "max_loras"}
 
 
 class _LoraFeature(FeatureDecorator):
@@ -99,13 +107,15 @@ class _LoraFeature(FeatureDecorator):
     # Prefix of the feature's engine input names (two stacked features' must differ).
     input_prefix: str = "lora_"
     pads_prefill = True
+    # The settings this feature takes (LlmConfig.features[name]).
+    setting_names: frozenset[str] = frozenset({"max_rank", "target_modules"})
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
-        unknown = sorted(set(self.settings) - _SETTINGS)
+        unknown = sorted(set(self.settings) - self.setting_names)
         if unknown:
             raise ConfigError(f"feature {self.name!r}: unknown settings {unknown}; expected "
-                              f"{sorted(_SETTINGS)}")
+                              f"{sorted(self.setting_names)}")
         self.max_rank = int(self.settings.get("max_rank", 16))
         if self.max_rank < 1:
             raise ConfigError(f"feature {self.name!r}: max_rank must be >= 1, got {self.max_rank}")
@@ -136,6 +146,11 @@ class _LoraFeature(FeatureDecorator):
     def region_width(self, target: LoraTarget) -> int:
         """Columns this feature owns in ``target``'s storage."""
         raise NotImplementedError
+
+    @property
+    def takes_columns(self) -> bool:
+        """Whether the feature owns columns in its targets' storage (records its own GEMM)."""
+        return True
 
     @property
     def _dtype(self) -> torch.dtype:
@@ -313,7 +328,8 @@ def _lora_features(model: Any, requester: _LoraFeature) -> list[_LoraFeature]:
 
 def _lay_out_banks(model: Any, requester: _LoraFeature) -> None:
     """Give every target linear of every LoRA feature its shared storage, once."""
-    features = _lora_features(model, requester)
+    # a feature with no columns (a merged single adapter) keeps no storage
+    features = [f for f in _lora_features(model, requester) if f.takes_columns]
     regions: dict[int, tuple[Any, list[tuple[str, int]]]] = {}
     for feature in features:
         for target in feature.targets:
@@ -329,6 +345,8 @@ def _lay_out_banks(model: Any, requester: _LoraFeature) -> None:
             engines.rebind(linear)
     for feature in features:
         feature._banks = {t.key: banks[id(t.linear)] for t in feature.targets}
+    if requester._banks is None:
+        requester._banks = {}
 
 
 class _EngineWeights:
@@ -359,24 +377,56 @@ class SingleLoraDecorator(_LoraFeature):
 
     ``model.features["single_lora"].load(name, dir)`` reads a PEFT adapter;
     ``.activate(name)`` makes it the adapter of every following batch (``activate(None)``: the
-    base model). Activating copies the adapter's A into slot 1 of this feature's A weights (two
-    slots: slot 0 empty, every token in slot 1) and its B, with the scaling folded in, into this
-    feature's columns of each target's storage: the same shrink kernel and single GEMM as
-    multi-LoRA, and no engine is built or rebuilt.
+    base model). No engine is built or rebuilt for either, in both ways of applying it:
+
+    - merged (setting ``merge``, on by default, where every target's weight is dense): the
+      adapter's ``B A`` (scaling folded in) is added to the target weights in place, so the
+      base engines and the multi-LoRA engines serve it at no cost per step. The weights a
+      merge changes are kept on the host (their bytes again, pinned for a GPU model) so that
+      switching or clearing the adapter restores them bit for bit (:mod:`tgraph.layers.lora_merge`).
+    - recorded (``merge: false``, or a quantized base weight, which a delta cannot be added to):
+      activating copies the adapter's A into slot 1 of this feature's A weights (two slots: slot
+      0 empty, every token in slot 1) and its B, with the scaling folded in, into this feature's
+      columns of each target's storage: the same shrink kernel and single GEMM as multi-LoRA, in
+      engines built for this feature (and for both features stacked).
     """
 
     name = "single_lora"
     bank_order = 1
     input_prefix = "single_lora_"
     compatible_with = frozenset({"multi_lora", "logit_bias", "vocab_parallel"})
+    setting_names = _LoraFeature.setting_names | {"merge"}
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
+        self.merge = self.settings.get("merge", True)
+        if not isinstance(self.merge, bool):
+            raise ConfigError(f"single_lora: merge must be true or false, got {self.merge!r}")
+        self._merged: bool | None = None
+        self._merged_weights = MergedAdapter()
         self.adapters: dict[str, dict[str, torch.Tensor]] = {}
         self.active: str | None = None
         self._resident: dict[str, torch.Tensor] | None = None
         # target key -> A weight [2, width, in_features] (slot 1: the active adapter's)
         self._a: dict[str, Parameter] = {}
+
+    @property
+    def merged(self) -> bool:
+        """Whether the active adapter is merged into the base weights (decided on first use:
+        the ``merge`` setting, and every target's weight dense)."""
+        if self._merged is None:
+            self._merged = self.merge and not any(is_quantized(t.linear.weight.data)
+                                                  for t in self.targets)
+        return self._merged
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes of base weights kept on the host while an adapter is merged (0 otherwise)."""
+        return self._merged_weights.host_bytes
+
+    @property
+    def takes_columns(self) -> bool:
+        return not self.merged
 
     def region_width(self, target: LoraTarget) -> int:
         return aligned_width(target.width(self.max_rank))
@@ -397,13 +447,13 @@ class SingleLoraDecorator(_LoraFeature):
             packed[f"lora_b_{t.key}"] = b.to(self._device, self._dtype)
         self.adapters[name] = packed
         if self.active == name:
-            self._copy_in(name)
+            self.activate(name)
 
     def activate(self, name: str | None) -> None:
         """Apply adapter ``name`` to every following batch (``None``: no adapter).
 
-        The adapter is copied into the A weights and the weight storage in place, so engines
-        (and captured graphs) serve it without being rebuilt.
+        The adapter is merged into the weights, or copied into the A weights and the weight
+        storage, in place, so engines (and captured graphs) serve it without being rebuilt.
 
         Raises:
             KeyError: ``name`` is not loaded.
@@ -411,7 +461,16 @@ class SingleLoraDecorator(_LoraFeature):
         if name is not None and name not in self.adapters:
             raise KeyError(f"single_lora: adapter {name!r} is not loaded; loaded: "
                            f"{sorted(self.adapters)}")
-        if name is not None:
+        if self.merged:
+            weights = {t.key: t.linear.weight.data for t in self.targets}
+            if name is None:
+                self._merged_weights.restore(weights)
+            else:
+                packed = self.adapters[name]
+                self._merged_weights.merge(weights, {
+                    t.key: (packed[f"lora_a_{t.key}"], packed[f"lora_b_{t.key}"])
+                    for t in self.targets})
+        elif name is not None:
             self._copy_in(name)
         self.active = name
 
@@ -438,15 +497,15 @@ class SingleLoraDecorator(_LoraFeature):
         """Forget adapter ``name`` (deactivating it if active)."""
         if name not in self.adapters:
             raise KeyError(f"single_lora: adapter {name!r} is not loaded")
-        del self.adapters[name]
         if self.active == name:
-            self.active = None
+            self.activate(None)
+        del self.adapters[name]
 
     def symbolic_inputs(self, is_prefill: bool) -> dict[str, Tensor]:
         return self._shared_inputs(is_prefill, 2)
 
     def is_used(self, batch: BatchMeta) -> bool:
-        return self.active is not None
+        return self.active is not None and not self.merged
 
     def resident_inputs(self) -> dict[str, torch.Tensor]:
         if self.active is None:
@@ -481,6 +540,7 @@ class MultiLoraDecorator(_LoraFeature):
     bank_order = 0
     input_prefix = "lora_"
     compatible_with = frozenset({"single_lora", "logit_bias", "vocab_parallel"})
+    setting_names = _LoraFeature.setting_names | {"max_loras"}
 
     def __init__(self, model: Any, settings: dict | None = None) -> None:
         super().__init__(model, settings)
