@@ -15,10 +15,11 @@ Bounds:
   (``prefer_small_m`` sends linears of <= 4 rows, the LoRA linears' single GEMMs on
   ``[x | shrink]`` included, to the small-M kernel; attention, norms and ``lora_shrink_concat``
   are Triton): the same deterministic kernels on the same shapes, replayed from a
-  graph or launched one by one, give **bit-identical** logits. Their prefill (119 tokens) is
-  padded to the 128-token bucket when captured; the LoRA shrinks launch alike at both counts
-  (the same K splits, stacked or not: ``test_lora_stacking``
-  ``test_gpu_tests_prefill_shrinks_alike_padded_and_unpadded``).
+  graph or launched one by one, give **bit-identical** logits. Both models prefill uncaptured
+  (``prefill_graph_tokens=0``): a captured prefill pads 119 tokens to the 128-token bucket, where
+  cuBLAS may take another kernel than at 119 rows (on an H200 in fp16 it did: 7e-4 apart), and
+  the KV cache it writes would then differ for every decode step after it. Captured LoRA
+  prefills are compared with a tolerance in ``test_lora_stacking``.
 * At 7 requests the captured run pads to bucket 8, the uncaptured one does not, and cuBLAS may
   pick another GEMM for 8 rows than for 7: fp32 accumulation in another order, each op rounded
   to bf16 (unit roundoff 2^-9) / fp16 (2^-11). Through 2 layers and the LM head that moves
@@ -82,13 +83,16 @@ def adapter_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
-def build(weights: dict[str, torch.Tensor], dtype: torch.dtype, cuda_graph: bool) -> Any:
-    """A multi-LoRA model over ``weights`` with its KV cache (and graphs when ``cuda_graph``)."""
+def build(weights: dict[str, torch.Tensor], dtype: torch.dtype, cuda_graph: bool,
+          merge: bool = False) -> Any:
+    """A multi-LoRA model over ``weights`` with its KV cache (and graphs when ``cuda_graph``);
+    the single adapter recorded in its own engines unless ``merge``."""
     model = build_model(ModelConfig.from_dict(CONFIG),
                         DictWeightLoader(weights, device=DEVICE, dtype=dtype),
                         max_model_len=MAX_MODEL_LEN, cuda_graph=cuda_graph,
+                        prefill_graph_tokens=0,
                         features={"multi_lora": {"max_rank": MAX_RANK, "max_loras": MAX_LORAS},
-                                  "single_lora": {"max_rank": MAX_RANK}})
+                                  "single_lora": {"max_rank": MAX_RANK, "merge": merge}})
     model.allocate_kv_cache(NUM_BLOCKS)
     captured = model.capture_decode_graphs(BUCKETS)
     assert captured == (sorted(BUCKETS, reverse=True) if cuda_graph else [])
@@ -283,3 +287,28 @@ def test_stacked_single_and_multi_under_a_captured_graph(models):
     multi_only = decode_trace(plain, loras)
     assert rel_err(traces["a"], multi_only) > ADAPTER_EFFECT, "the single adapter barely matters"
     assert rel_err(traces["d"], traces["a"]) > ADAPTER_EFFECT, "switching a -> d barely matters"
+
+
+def test_merged_single_adapter_under_a_captured_graph(adapter_dir: Path):
+    """``single_lora`` merged into the weights (the default): the base decode graph, captured
+    before any adapter, serves the merged weights (captured == uncaptured, bit for bit, at
+    bucket 4), switching adapters moves the logits, and clearing the adapter restores the base
+    weights exactly (the base trace again, bit for bit)."""
+    dtype = torch.bfloat16
+    graphed, plain = (build(random_weights(CONFIG, dtype, DEVICE), dtype, graphs, merge=True)
+                      for graphs in (True, False))
+    loras: list[str | None] = [None] * 4
+    base = decode_trace(graphed, loras)
+    traces = {}
+    for name in ("a", "d", None):
+        for model in (graphed, plain):
+            if name is not None and name not in model.features["single_lora"].adapters:
+                model.features["single_lora"].load(name, adapter_dir / name)
+            model.features["single_lora"].activate(name)
+        traces[name] = decode_trace(graphed, loras)
+        assert torch.equal(traces[name], decode_trace(plain, loras)), name
+    assert set(graphed.engines) == {(True, ()), (False, ())}
+    assert graphed.engines[(False, ())].captured_signatures > 0
+    assert rel_err(traces["a"], base) > ADAPTER_EFFECT and rel_err(traces["d"], traces["a"]) \
+        > ADAPTER_EFFECT
+    assert torch.equal(traces[None], base), "clearing the merged adapter left the weights changed"
