@@ -279,6 +279,18 @@ class CpuTuning(_Section):
                "over the batch) runs on the calling thread alone: a parallel region for so "
                "little work costs more than it saves, most of all while other processes hold "
                "the cores", minimum=0)
+    native_kernels: bool = knob(
+        True, "decode-sized fp32 linears (alone, + residual, after their RMSNorm, + SwiGLU) and "
+              "rope + cache write + attention run compiled C kernels "
+              "(tgraph.kernels.cpu_backend.native, built once per machine): one call per op "
+              "instead of ~20 torch calls per layer half; off, or with no C compiler: torch's")
+    native_max_rows: int = knob(
+        8, "linears of up to this many rows take the native kernel (each weight row read once "
+           "for every row; torch's GEMM at 4 rows runs ~2x slower than at 1); more: torch's")
+    native_prefetch_bytes: int = knob(
+        1024, "the native linears prefetch each weight row this far ahead of their loads: ~20% "
+              "faster at 4 rows, a little at 1 (more misses in flight than the hardware "
+              "prefetcher keeps); 0 prefetches the line being read", minimum=0)
 
 
 @dataclass(frozen=True)

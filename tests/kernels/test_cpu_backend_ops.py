@@ -5,6 +5,9 @@ same fp64 expectations and tolerances. Then the kernels one by one: norms, rope 
 fp32 compute exactly what the reference computes (the same operations in the same order, so
 ``torch.equal``); GEMMs and attention differ only by summation order, so fp32 results agree to
 1e-5 relative to the output's scale (K <= 256 products of O(1) values, each rounding at 2^-24).
+Norms, rope, linears and the fused decode attention run with ``CpuTuning.native_kernels`` off
+(torch's kernels) and on (the compiled kernels, ``tests/kernels/test_cpu_native.py``): their norms
+and rope give the reference's bits too; their SwiGLU rounds as C does (pinned here with it off).
 """
 from __future__ import annotations
 
@@ -50,6 +53,14 @@ def _gen(seed: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+def _native(native: bool, tuning: Tuning | None = None) -> Tuning:
+    tuning = tuning or Tuning()
+    return dataclasses.replace(tuning, cpu=dataclasses.replace(tuning.cpu, native_kernels=native))
+
+
+TORCH = _native(False)  # torch's kernels only
+
+
 def test_auto_picks_the_cpu_backend_with_an_arena() -> None:
     x = Tensor("x", dtype=torch.float32, shape=("m", 32))
     out = F.linear(x, Tensor("w", dtype=torch.float32, shape=(16, 32)), None, False, True)
@@ -63,17 +74,19 @@ def test_auto_picks_the_cpu_backend_with_an_arena() -> None:
     _close(got, xs @ w.t(), "linear")
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("rows", [1, 4, 300])  # held scratch, and a prefill's torch.rms_norm
-def test_rms_norm_is_the_references_bits_in_place_and_without_weight(rows: int) -> None:
+def test_rms_norm_is_the_references_bits_in_place_and_without_weight(rows: int,
+                                                                      native: bool) -> None:
     g = _gen(3)
     x, w = torch.randn(rows, 576, generator=g) * 10, torch.randn(576, generator=g)
     for weight in (w, None):
         want = get_op("rms_norm").reference(x, weight, eps=1e-5)
         out = torch.empty_like(x)
-        core.rms_norm_into([out], x, weight, eps=1e-5)
+        core.rms_norm_into([out], x, weight, eps=1e-5, tuning=_native(native))
         assert torch.equal(out, want)
         same = x.clone()
-        core.rms_norm_into([same], same, weight, eps=1e-5)  # the output is the input's memory
+        core.rms_norm_into([same], same, weight, eps=1e-5, tuning=_native(native))  # in place
         assert torch.equal(same, want)
 
 
@@ -87,26 +100,28 @@ def test_serial_runs_on_one_thread_and_restores_the_count() -> None:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("interleaved", [False, True])
-def test_norms_rope_swiglu_are_the_references_bits(interleaved: bool) -> None:
+def test_norms_rope_swiglu_are_the_references_bits(interleaved: bool, native: bool) -> None:
     g = _gen(1)
     x, r, w = (torch.randn(5, 64, generator=g) for _ in range(3))
     w = w[0]
     out = torch.empty(5, 64)
-    core.rms_norm_into([out], x, w, eps=1e-6)
+    tuning = _native(native)
+    core.rms_norm_into([out], x, w, eps=1e-6, tuning=tuning)
     assert torch.equal(out, get_op("rms_norm").reference(x, w, eps=1e-6))
     normed, summed = torch.empty(5, 64), torch.empty(5, 64)
-    core.add_rms_norm_into([normed, summed], x, r, w, eps=1e-6)
+    core.add_rms_norm_into([normed, summed], x, r, w, eps=1e-6, tuning=tuning)
     ref_n, ref_s = get_op("add_rms_norm").reference(x, r, w, eps=1e-6)
     assert torch.equal(normed, ref_n) and torch.equal(summed, ref_s)
     gate_up = torch.randn(5, 128, generator=g)
     out = torch.empty(5, 64)
-    core.swiglu_into([out], gate_up)
+    core.swiglu_into([out], gate_up, tuning=TORCH)  # native: C's silu (test_cpu_native.py)
     assert torch.equal(out, get_op("swiglu").reference(gate_up))
     q, k = torch.randn(5, 4, 16, generator=g), torch.randn(5, 2, 16, generator=g)
     cos, sin = torch.randn(5, 6, generator=g), torch.randn(5, 6, generator=g)  # partial rotary
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-    core.rope_into([q_out, k_out], q, k, cos, sin, interleaved=interleaved)
+    core.rope_into([q_out, k_out], q, k, cos, sin, interleaved=interleaved, tuning=tuning)
     ref_q, ref_k = get_op("rope").reference(q, k, cos, sin, interleaved=interleaved)
     assert torch.equal(q_out, ref_q) and torch.equal(k_out, ref_k)
 
@@ -157,9 +172,11 @@ def test_prefill_attention_with_a_cached_prefix() -> None:
     _close(out, want, "prefill attention")
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("tokens", [1, 2])
 @pytest.mark.parametrize("packed", [False, True])
-def test_rope_cache_attention_writes_the_cache_and_attends(packed: bool, tokens: int) -> None:
+def test_rope_cache_attention_writes_the_cache_and_attends(packed: bool, tokens: int,
+                                                           native: bool) -> None:
     k_cache, v_cache = _cache(6, 4, 2, 16, seed=6)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     g = _gen(7)
@@ -176,25 +193,26 @@ def test_rope_cache_attention_writes_the_cache_and_attends(packed: bool, tokens:
     seq_len = torch.tensor([10, 3][:tokens], dtype=torch.int32)
     out = torch.empty_like(q)
     core.rope_cache_attention_into([out, None, None], q, k, v, cos, sin, k_cache, v_cache, slots,
-                                   table, seq_len, tuning=Tuning())
+                                   table, seq_len, tuning=_native(native))
     want, _, _ = get_op("rope_cache_attention").reference(q, k, v, cos, sin, ref_k, ref_v, slots,
                                                           table, seq_len)
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
     _close(out, want, "rope_cache_attention")
 
 
+@pytest.mark.parametrize("native", [False, True])
 @pytest.mark.parametrize("held_kb", [256, 1])  # 1: the gate|up scratch made at every call
 @pytest.mark.parametrize("m, n", [(3, 96), (4, 1600)])  # 1600: GEMMs in column slices
 @pytest.mark.parametrize("act", [None, "swiglu"])
 def test_linears_write_in_place_with_their_epilogues(act: str | None, m: int, n: int,
-                                                     held_kb: int) -> None:
+                                                     held_kb: int, native: bool) -> None:
     g = _gen(8)
     x, nw = torch.randn(m, 64, generator=g), torch.randn(64, generator=g)
     w, b = torch.randn(n, 64, generator=g) / 8, torch.randn(n, generator=g)
     res = torch.randn(m, n, generator=g)
     tuning = Tuning()
-    tuning = dataclasses.replace(tuning, cpu=dataclasses.replace(tuning.cpu,
-                                                                 held_scratch_kb=held_kb))
+    tuning = _native(native, dataclasses.replace(tuning, cpu=dataclasses.replace(
+        tuning.cpu, held_scratch_kb=held_kb)))
     out = torch.empty(m, n)
     core.linear_epilogue_into([out], x, w, b, res, tuning=tuning)
     _close(out, get_op("linear_epilogue").reference(x, w, b, res), "linear + bias + residual")

@@ -11,6 +11,10 @@
   torch SDPA when a sequence is one run without a cached prefix, else masked scores.
 - What a step's thunks derive from its host-side inputs (cache rows, runs of blocks) is made by
   the first layer and reused by the others while those inputs' values are unchanged.
+- ``rope_cache_attention`` on fp32 caches with int32 slots, tables and lengths runs as one call of
+  the compiled kernel (:mod:`tgraph.kernels.cpu_backend.native`) when it loads and
+  ``CpuTuning.native_kernels`` is on: the rope and the cache write as here (the reference's bits),
+  the attention walking the block table in place with an online softmax.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ from tgraph.kernels.cpu_backend.common import (
     returning,
     serial,
 )
+from tgraph.kernels.cpu_backend.native import library
 from tgraph.kernels.triton_backend.common import Outs
 from tgraph.tuning import Tuning
 
@@ -464,6 +469,15 @@ def bind_rope_cache_attention(outs: Outs, q, k, v, cos, sin, k_cache, v_cache, s
                                v_cache, slots_mapping, block_table, seq_len,
                                interleaved=interleaved, scale=scale,
                                sliding_window=sliding_window)
+    cpu = (tuning or _DEFAULT_TUNING).cpu
+    lib = library() if cpu.native_kernels else None
+    if lib is not None:
+        native = lib.bind_rope_cache_attention(
+            outs[0], q, k, v, cos, sin, k_cache, v_cache, slots_mapping, block_table, seq_len,
+            interleaved, scale, sliding_window, cpu.serial_attention_scores,
+            torch.get_num_threads())
+        if native is not None:
+            return returning(native, (outs[0], k_cache, v_cache))
     return held_or_per_call(
         functools.partial(_bind_rope_cache_attention, outs, q, k, v, cos, sin, k_cache, v_cache,
                           slots_mapping, block_table, seq_len, interleaved, scale,

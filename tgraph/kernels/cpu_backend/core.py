@@ -8,6 +8,14 @@ reference's bits); GEMMs and attention differ only by summation order. Inputs th
 take (other dtypes, transposed operands, layouts no view reads) go to the reference, copied into
 the planned buffer. Rope, the cache write and attention are in
 :mod:`tgraph.kernels.cpu_backend.attention`.
+
+With the compiled kernels of :mod:`tgraph.kernels.cpu_backend.native` loaded and
+``CpuTuning.native_kernels`` on, linears of a few fp32 rows (decode), alone, with their residual
+or after their RMSNorm (and SwiGLU), are one native call each instead of the norm's, the GEMM's
+and the epilogue's torch calls. The native norm has the reference's bits; the native SwiGLU
+rounds as C's ``expf`` does, so every fp32 norm and SwiGLU then runs natively, fused into a
+linear or not, at any row count: each gives the same bits whichever kernels the passes and a
+partition made of it.
 """
 from __future__ import annotations
 
@@ -35,6 +43,7 @@ from tgraph.kernels.cpu_backend.common import (
     reference_thunk,
     returning,
 )
+from tgraph.kernels.cpu_backend.native import NativeLibrary, library
 from tgraph.kernels.cpu_backend.quant import PackedLinear, packed_linear
 from tgraph.kernels.registry import KernelSpec
 from tgraph.kernels.triton.checks import memory_overlaps
@@ -53,11 +62,37 @@ Matmul = Callable[[torch.Tensor], None]
 
 
 # ---- norms and SwiGLU -----------------------------------------------------------------------
+def _native_lib(tuning: Tuning | None) -> NativeLibrary | None:
+    """The native kernels when they are on and loaded."""
+    return library() if (tuning or _DEFAULT_TUNING).cpu.native_kernels else None
+
+
+def _threads_for(rows: int, n: int, tuning: Tuning | None) -> int:
+    """torch's threads for a pointwise kernel over a prefill's rows, one thread for fewer."""
+    held = (tuning or _DEFAULT_TUNING).cpu.held_scratch_kb * 1024
+    return torch.get_num_threads() if rows * n * 4 > held else 1
+
+
+def _bind_native_rms(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
+                     eps: float, tuning: Tuning | None, res2: torch.Tensor | None = None,
+                     summed2: torch.Tensor | None = None) -> Callable[[], None] | None:
+    """The native norm (the one the native ``norm_linear`` computes), or ``None``."""
+    lib = _native_lib(tuning)
+    if lib is None:
+        return None
+    return lib.bind_rms_norm(out2, x2, weight, eps, _threads_for(*x2.shape, tuning), res2,
+                             summed2)
+
+
 # NOTE: the reference's operations in its order (the bits torch.rms_norm gives fp32 rows) into
 # held memory: fewer calls than torch.rms_norm's casts and allocations, each paying cold caches.
 def _bind_rms(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None, eps: float,
               tuning: Tuning | None) -> Callable[[], None]:
-    """``out2 = rms_norm(x2)`` for fp32 ``[M, N]`` rows (``out2`` may be ``x2``)."""
+    """``out2 = rms_norm(x2)`` for fp32 ``[M, N]`` rows (``out2`` may be ``x2``): native when
+    the native kernels are on (see the module docstring)."""
+    native = _bind_native_rms(out2, x2, weight, eps, tuning)
+    if native is not None:
+        return native
     rows, n = x2.shape
     cpu = (tuning or _DEFAULT_TUNING).cpu
     if rows * n * 4 > cpu.held_scratch_kb * 1024:  # a prefill: the one call, no held scratch
@@ -94,6 +129,12 @@ def bind_add_rms_norm(outs: Outs, x, residual, weight, *, eps,
         return reference_thunk("add_rms_norm", outs, x, residual, weight, eps=eps)
     normed, summed = outs[0], outs[1]
     n = x.shape[-1]
+    x2, res2 = as_rows(x), as_rows(residual)
+    if x2 is not None and res2 is not None:  # the add and the norm in one native call
+        native = _bind_native_rms(normed.view(-1, n), x2, weight, eps, tuning, res2,
+                                  summed.view(-1, n))
+        if native is not None:
+            return returning(native, (normed, summed))
     norm = _bind_rms(normed.view(-1, n), summed.view(-1, n), weight, eps, tuning)
 
     def run() -> None:
@@ -102,8 +143,14 @@ def bind_add_rms_norm(outs: Outs, x, residual, weight, *, eps,
     return returning(run, (normed, summed))
 
 
-def _bind_swiglu(out2: torch.Tensor, gate_up2: torch.Tensor) -> Thunk:
-    """``out2 = silu(gate) * up`` for fp32 ``gate_up2 = [gate | up]`` rows."""
+def _bind_swiglu(out2: torch.Tensor, gate_up2: torch.Tensor, tuning: Tuning | None) -> Thunk:
+    """``out2 = silu(gate) * up`` for fp32 ``gate_up2 = [gate | up]`` rows: native when the
+    native kernels are on (see the module docstring)."""
+    lib = _native_lib(tuning)
+    native = None if lib is None else lib.bind_swiglu(
+        out2, gate_up2, _threads_for(*gate_up2.shape, tuning))
+    if native is not None:
+        return native
     half = gate_up2.shape[-1] // 2
     gate, up = gate_up2[:, :half], gate_up2[:, half:]
 
@@ -113,11 +160,12 @@ def _bind_swiglu(out2: torch.Tensor, gate_up2: torch.Tensor) -> Thunk:
     return run
 
 
-def bind_swiglu(outs: Outs, gate_up) -> Thunk:
+def bind_swiglu(outs: Outs, gate_up, *, tuning: Tuning | None = None) -> Thunk:
     gate_up2 = as_rows(gate_up)
     if gate_up2 is None or gate_up.dtype != F32:
         return reference_thunk("swiglu", outs, gate_up)
-    return returning(_bind_swiglu(outs[0].view(-1, outs[0].shape[-1]), gate_up2), outs[0])
+    return returning(_bind_swiglu(outs[0].view(-1, outs[0].shape[-1]), gate_up2, tuning),
+                     outs[0])
 
 
 def bind_embedding(outs: Outs, ids, weight) -> Thunk:
@@ -189,6 +237,39 @@ def _bind_matmul(out2: torch.Tensor, w: Any, bias: torch.Tensor | None,
     return _bind_mm(out2, b, bias, residual2)
 
 
+def _native_for(tuning: Tuning | None, rows: int) -> NativeLibrary | None:
+    """The native kernels when they are on and loaded and ``rows`` is few enough for their
+    linears."""
+    if rows > (tuning or _DEFAULT_TUNING).cpu.native_max_rows:
+        return None
+    return _native_lib(tuning)
+
+
+def _dense_weight(w: Any, transpose_b: bool, tuning: Tuning | None) -> torch.Tensor | None:
+    """``w`` as the fp32 ``[N, K]`` tensor a linear multiplies by (a quantized weight's cached
+    dense copy when its CPU kernel is that copy), or ``None``."""
+    if not transpose_b:
+        return None
+    if is_quantized(w):
+        cpu = (tuning or _DEFAULT_TUNING).cpu
+        packed = packed_linear(w, F32, cpu.bf16_quant_activations, cpu.int8_group_kernel)
+        return packed.packed if packed.how == "dense" else None
+    return w if w.dtype == F32 else None
+
+
+def _bind_native_linear(out2: torch.Tensor, x2: torch.Tensor, w: Any, bias: torch.Tensor | None,
+                        residual2: torch.Tensor | None, transpose_b: bool,
+                        tuning: Tuning | None) -> Callable[[], None] | None:
+    """``out2 = x2 @ w.T + bias + residual2`` as one native call, or ``None`` (the torch
+    path) when the native kernels are off or do not take these arguments."""
+    lib = _native_for(tuning, x2.shape[0])
+    dense = None if lib is None else _dense_weight(w, transpose_b, tuning)
+    if dense is None:
+        return None
+    return lib.bind_linear(out2, x2, dense, bias, residual2, torch.get_num_threads(),
+                           (tuning or _DEFAULT_TUNING).cpu.native_prefetch_bytes)
+
+
 def matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: Any, bias: torch.Tensor | None,
                 residual2: torch.Tensor | None, transpose_b: bool = True,
                 tuning: Tuning | None = None) -> None:
@@ -207,7 +288,11 @@ def bind_linear(outs: Outs, x, w, bias=None, *, tuning: Tuning, transpose_a=Fals
         return reference_thunk("linear", outs, x, w, bias, transpose_a=transpose_a,
                                transpose_b=transpose_b)
     out = outs[0]
-    mm = _bind_matmul(out.view(-1, out.shape[-1]), w, bias, None, transpose_b, tuning)
+    out2 = out.view(-1, out.shape[-1])
+    native = _bind_native_linear(out2, x2, w, bias, None, transpose_b, tuning)
+    if native is not None:
+        return returning(native, out)
+    mm = _bind_matmul(out2, w, bias, None, transpose_b, tuning)
     return returning(functools.partial(mm, x2), out)
 
 
@@ -223,6 +308,9 @@ def bind_linear_epilogue(outs: Outs, x, w, bias=None, residual=None, *, tuning: 
                                transpose_b=transpose_b, act=act)
     out2 = out.view(-1, out.shape[-1])
     if act is None:
+        native = _bind_native_linear(out2, x2, w, bias, res2, transpose_b, tuning)
+        if native is not None:
+            return returning(native, out)
         return returning(functools.partial(
             _bind_matmul(out2, w, bias, res2, transpose_b, tuning), x2), out)
     mm = _bind_matmul(out2, w, bias, None, transpose_b, tuning)
@@ -252,7 +340,7 @@ def _bind_norm_linear(outs: Outs, x2: torch.Tensor, norm_weight, w, bias, tuning
         return returning(run, out)
     gate_up = torch.empty(x2.shape[0], w.shape[0], dtype=F32)
     mm = _bind_matmul(gate_up, w, bias, None, True, tuning)
-    swiglu = _bind_swiglu(out2, gate_up)
+    swiglu = _bind_swiglu(out2, gate_up, tuning)
 
     def run_gated() -> None:
         norm()
@@ -266,6 +354,15 @@ def bind_norm_linear(outs: Outs, x, norm_weight, w, bias=None, *, tuning: Tuning
     x2 = as_rows(x)
     if x2 is None or not (_linear_ok(x, w, bias) and fp32(norm_weight)):
         return reference_thunk("norm_linear", outs, x, norm_weight, w, bias, eps=eps, act=act)
+    lib = _native_for(tuning, x2.shape[0]) if act in (None, "swiglu") else None
+    dense = None if lib is None else _dense_weight(w, True, tuning)
+    if dense is not None:
+        out = outs[0]
+        native = lib.bind_norm_linear(out.view(-1, out.shape[-1]), x2, norm_weight, eps, dense,
+                                      bias, act == "swiglu", torch.get_num_threads(),
+                                      (tuning or _DEFAULT_TUNING).cpu.native_prefetch_bytes)
+        if native is not None:
+            return returning(native, out)
     scratch = x2.numel() * 4  # the normed rows
     if act is not None:
         scratch += x2.shape[0] * w.shape[0] * 4  # the gate|up rows
@@ -298,7 +395,7 @@ KERNELS = (
                == "reference", name="torch.linear"),
     KernelSpec("rms_norm", rms_norm_into, tuned=True),
     KernelSpec("add_rms_norm", add_rms_norm_into, tuned=True),
-    KernelSpec("swiglu", swiglu_into),
+    KernelSpec("swiglu", swiglu_into, tuned=True),
     KernelSpec("embedding", embedding_into),
     KernelSpec("rope", rope_into, tuned=True),
     KernelSpec("reshape_and_cache", reshape_and_cache_into),
