@@ -124,9 +124,10 @@ def test_generate_profile_and_dump(model_dir: Path, tmp_path: Path,
     rc = main(["generate", "--model", str(model_dir), "--prompt", "hi", "--max-tokens", "3",
                "--no-chat", "--profile", str(trace), "--dump-tensors", str(dump)])
     assert rc == 0
-    events = json.loads(trace.read_text())["traceEvents"]
-    assert any("linear" in str(e.get("name", "")) or "mm" in str(e.get("name", ""))
-               for e in events)
+    names = {str(e.get("name", "")) for e in json.loads(trace.read_text())["traceEvents"]}
+    # each step a named range (the CPU's native kernels are no torch ops), with torch ops inside
+    assert {"tgraph.prefill", "tgraph.decode"} <= names and any(n.startswith("aten::")
+                                                                for n in names)
     assert sorted(p.suffix for p in dump.iterdir()) == [".json", ".json", ".safetensors",
                                                         ".safetensors"]
 

@@ -116,7 +116,11 @@ class ModelRunner:
         sliced = self._samples_slices(batch, wanted)
         if sliced:
             VocabParallelDecorator.mark(batch)
-        logits = self.model.run(batch)
+        # a named range per step: a profile shows the steps even where its kernels are not
+        # torch ops (the CPU backend's native calls)
+        with torch.profiler.record_function("tgraph.prefill" if batch.is_prefill
+                                            else "tgraph.decode"):
+            logits = self.model.run(batch)
         if not wanted:
             return StepResult({}, {})
         if sliced:
