@@ -377,3 +377,85 @@ def test_a_second_build_reuses_the_cached_library(built: NativeLibrary, tmp_path
     assert build.build(tmp_path) == first
     with pytest.raises(AssertionError, match="compiled again"):  # another key: a new build
         build.build(tmp_path, extra_flags=("-DTG_OTHER_KEY=1",))
+
+
+# ---- quantized weights kept packed ---------------------------------------------------------------
+QUANT_FORMS = {  # name -> quantize() arguments (GGUF Q4_1, Q4_0, Q8_0; int8 per channel)
+    "int4 g32 offsets": dict(kind="int4", group_size=32, offsets=True),
+    "int4 g64": dict(kind="int4", group_size=64),
+    "int8 g32": dict(kind="int8", group_size=32),
+    "int8 channel": dict(kind="int8"),
+}
+
+
+@pytest.mark.parametrize("form", sorted(QUANT_FORMS))
+def test_quantized_linear_has_the_dense_kernels_bits(lib: NativeLibrary, form: str) -> None:
+    """The codes dequantized as they are read, as ``QuantizedWeight.dequantize`` computes them,
+    and multiplied in the dense kernel's order: bit for bit the native linear on the dequantized
+    weight, at every row count (more than 64 rows: two passes), with bias and residual."""
+    from tgraph.quant import quantize
+
+    g = _gen(11)
+    q = quantize(torch.randn(40, 192, generator=g) * 0.05, **QUANT_FORMS[form])
+    dense = q.dequantize(torch.float32)
+    assert lib.takes_quantized(q)
+    for m in (1, 3, 8, 70):
+        x, b = torch.randn(m, 192, generator=g), torch.randn(40, generator=g)
+        res = torch.randn(m, 40, generator=g)
+        got, want = torch.empty(m, 40), torch.empty(m, 40)
+        lib.bind_linear_q(got, x, q, b, res, 2)()
+        lib.bind_linear(want, x, dense, b, res, 2)()
+        assert torch.equal(got, want), (form, m)
+
+
+def test_quantized_linear_refuses_what_it_does_not_take(built: NativeLibrary) -> None:
+    from tgraph.quant import quantize
+
+    g = _gen(12)
+    w = torch.randn(16, 96, generator=g)
+    x, out = torch.randn(2, 96, generator=g), torch.empty(2, 16)
+    for args in (dict(kind="int4", group_size=8), dict(kind="fp8")):  # group < 16; fp8
+        q = quantize(w, **args)
+        assert not built.takes_quantized(q) and built.bind_linear_q(out, x, q, None, None, 2) \
+            is None
+    odd = quantize(torch.randn(16, 40, generator=g), kind="int8")  # K not a multiple of 16
+    assert built.bind_linear_q(out, torch.randn(2, 40), odd, None, None, 2) is None
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_weights_torch_would_copy_densely_are_read_as_codes(built: NativeLibrary, exact: bool,
+                                                            monkeypatch: pytest.MonkeyPatch):
+    """A Q8_0-like weight (int8 in groups of 32, which no packed torch kernel takes), and in the
+    exact mode every int4 weight, run on their codes: no dense copy is cached, and the result is
+    the reference's up to summation order (fp32)."""
+    from tgraph.kernels.cpu_backend import quant as cpu_quant
+    from tgraph.quant import quantize
+
+    spy = _Spy(built)
+    monkeypatch.setattr(core, "library", lambda: spy)
+    g = _gen(13)
+    tuning = _tuning(True, bf16_quant_activations=not exact)
+    weights = [quantize(torch.randn(48, 64, generator=g) * 0.05, kind="int8", group_size=32),
+               quantize(torch.randn(48, 64, generator=g) * 0.05, kind="int4", group_size=32,
+                        offsets=True)]
+    x, nw = torch.randn(2, 64, generator=g), torch.randn(64, generator=g)
+    for w in weights:
+        spy.bound.clear()
+        codes = w.scheme.kind == "int8" or exact
+        # on codes: fp32, summation order only; else torch's packed kernel on bf16 activations
+        # (its tolerance in test_cpu_quant_linear.py)
+        tol = 1e-5 if codes else 1e-2
+        out, half = torch.empty(2, 48), torch.empty(2, 24)
+        core.linear_into([out], x, w, tuning=tuning)
+        dense = w.dequantize(torch.float32)
+        want = x.double() @ dense.double().t()
+        if codes:
+            _within(out, want, _linear_bound(x, dense, None, None), "quantized linear")
+        assert (out - want).abs().max() <= tol * want.abs().max()
+        core.norm_linear_into([half], x, nw, w, tuning=tuning, eps=1e-5, act="swiglu")
+        want = get_op("norm_linear").reference(x, nw, dense, eps=1e-5, act="swiglu")
+        assert (half - want).abs().max() <= tol * want.abs().max()
+        assert spy.bound.count("bind_linear_q") == (2 if codes else 0), spy.bound
+        dense_forms = [f for f in cpu_quant.cached_forms() if f.how == "dense"
+                       and (f.n, f.k) == (48, 64)]
+        assert not dense_forms if codes else True

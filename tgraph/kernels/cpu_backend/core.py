@@ -44,7 +44,7 @@ from tgraph.kernels.cpu_backend.common import (
     returning,
 )
 from tgraph.kernels.cpu_backend.native import NativeLibrary, library
-from tgraph.kernels.cpu_backend.quant import PackedLinear, packed_linear
+from tgraph.kernels.cpu_backend.quant import PackedLinear, packed_how, packed_linear
 from tgraph.kernels.registry import KernelSpec
 from tgraph.kernels.triton.checks import memory_overlaps
 from tgraph.kernels.triton_backend.common import Outs, reference_into
@@ -245,6 +245,14 @@ def _native_for(tuning: Tuning | None, rows: int) -> NativeLibrary | None:
     return _native_lib(tuning)
 
 
+def _reads_codes(lib: NativeLibrary, w: Any, tuning: Tuning | None) -> bool:
+    """Whether the native quantized linear takes ``w`` where torch would multiply a dense copy
+    (no packed torch kernel takes it): the copy's bits from the codes, the copy never made."""
+    cpu = (tuning or _DEFAULT_TUNING).cpu
+    return is_quantized(w) and lib.takes_quantized(w) and packed_how(
+        w, F32, cpu.bf16_quant_activations, cpu.int8_group_kernel) == "dense"
+
+
 def _dense_weight(w: Any, transpose_b: bool, tuning: Tuning | None) -> torch.Tensor | None:
     """``w`` as the fp32 ``[N, K]`` tensor a linear multiplies by (a quantized weight's cached
     dense copy when its CPU kernel is that copy), or ``None``."""
@@ -260,14 +268,33 @@ def _dense_weight(w: Any, transpose_b: bool, tuning: Tuning | None) -> torch.Ten
 def _bind_native_linear(out2: torch.Tensor, x2: torch.Tensor, w: Any, bias: torch.Tensor | None,
                         residual2: torch.Tensor | None, transpose_b: bool,
                         tuning: Tuning | None) -> Callable[[], None] | None:
-    """``out2 = x2 @ w.T + bias + residual2`` as one native call, or ``None`` (the torch
-    path) when the native kernels are off or do not take these arguments."""
-    lib = _native_for(tuning, x2.shape[0])
-    dense = None if lib is None else _dense_weight(w, transpose_b, tuning)
+    """``out2 = x2 @ w.T + bias + residual2`` as one native call (on the codes of a quantized
+    weight torch would copy densely), or ``None`` (the torch path) when the native kernels are
+    off or do not take these arguments."""
+    lib = _native_lib(tuning)
+    if lib is None or not transpose_b:
+        return None
+    prefetch = (tuning or _DEFAULT_TUNING).cpu.native_prefetch_bytes
+    if _reads_codes(lib, w, tuning):  # at any row count: the dense copy is never made
+        return lib.bind_linear_q(out2, x2, w, bias, residual2, torch.get_num_threads(),
+                                 prefetch)
+    if x2.shape[0] > (tuning or _DEFAULT_TUNING).cpu.native_max_rows:
+        return None
+    dense = _dense_weight(w, transpose_b, tuning)
     if dense is None:
         return None
-    return lib.bind_linear(out2, x2, dense, bias, residual2, torch.get_num_threads(),
-                           (tuning or _DEFAULT_TUNING).cpu.native_prefetch_bytes)
+    return lib.bind_linear(out2, x2, dense, bias, residual2, torch.get_num_threads(), prefetch)
+
+
+def _bind_linear_call(out2: torch.Tensor, x2: torch.Tensor, w: Any, bias: torch.Tensor | None,
+                      residual2: torch.Tensor | None, transpose_b: bool,
+                      tuning: Tuning | None) -> Callable[[], None]:
+    """``out2 = x2 @ w.T + bias + residual2`` bound to these tensors: native where it takes
+    them, else torch's GEMM (or a quantized weight's packed kernel)."""
+    native = _bind_native_linear(out2, x2, w, bias, residual2, transpose_b, tuning)
+    if native is not None:
+        return native
+    return functools.partial(_bind_matmul(out2, w, bias, residual2, transpose_b, tuning), x2)
 
 
 def matmul_into(out2: torch.Tensor, x2: torch.Tensor, w: Any, bias: torch.Tensor | None,
@@ -289,11 +316,7 @@ def bind_linear(outs: Outs, x, w, bias=None, *, tuning: Tuning, transpose_a=Fals
                                transpose_b=transpose_b)
     out = outs[0]
     out2 = out.view(-1, out.shape[-1])
-    native = _bind_native_linear(out2, x2, w, bias, None, transpose_b, tuning)
-    if native is not None:
-        return returning(native, out)
-    mm = _bind_matmul(out2, w, bias, None, transpose_b, tuning)
-    return returning(functools.partial(mm, x2), out)
+    return returning(_bind_linear_call(out2, x2, w, bias, None, transpose_b, tuning), out)
 
 
 def bind_linear_epilogue(outs: Outs, x, w, bias=None, residual=None, *, tuning: Tuning,
@@ -308,11 +331,7 @@ def bind_linear_epilogue(outs: Outs, x, w, bias=None, residual=None, *, tuning: 
                                transpose_b=transpose_b, act=act)
     out2 = out.view(-1, out.shape[-1])
     if act is None:
-        native = _bind_native_linear(out2, x2, w, bias, res2, transpose_b, tuning)
-        if native is not None:
-            return returning(native, out)
-        return returning(functools.partial(
-            _bind_matmul(out2, w, bias, res2, transpose_b, tuning), x2), out)
+        return returning(_bind_linear_call(out2, x2, w, bias, res2, transpose_b, tuning), out)
     mm = _bind_matmul(out2, w, bias, None, transpose_b, tuning)
     activation = EPILOGUE_ACTIVATIONS[act]
 
@@ -332,19 +351,19 @@ def _bind_norm_linear(outs: Outs, x2: torch.Tensor, norm_weight, w, bias, tuning
     normed = torch.empty(x2.shape, dtype=F32)
     norm = _bind_rms(normed, x2, norm_weight, eps, tuning)
     if act is None:
-        mm = _bind_matmul(out2, w, bias, None, True, tuning)
+        mm = _bind_linear_call(out2, normed, w, bias, None, True, tuning)
 
         def run() -> None:
             norm()
-            mm(normed)
+            mm()
         return returning(run, out)
     gate_up = torch.empty(x2.shape[0], w.shape[0], dtype=F32)
-    mm = _bind_matmul(gate_up, w, bias, None, True, tuning)
+    mm = _bind_linear_call(gate_up, normed, w, bias, None, True, tuning)
     swiglu = _bind_swiglu(out2, gate_up, tuning)
 
     def run_gated() -> None:
         norm()
-        mm(normed)
+        mm()
         swiglu()
     return returning(run_gated, out)
 
@@ -355,7 +374,9 @@ def bind_norm_linear(outs: Outs, x, norm_weight, w, bias=None, *, tuning: Tuning
     if x2 is None or not (_linear_ok(x, w, bias) and fp32(norm_weight)):
         return reference_thunk("norm_linear", outs, x, norm_weight, w, bias, eps=eps, act=act)
     lib = _native_for(tuning, x2.shape[0]) if act in (None, "swiglu") else None
-    dense = None if lib is None else _dense_weight(w, True, tuning)
+    # a quantized weight whose codes the native linear reads: its norm, then that linear
+    dense = None if lib is None or _reads_codes(lib, w, tuning) else _dense_weight(w, True,
+                                                                                    tuning)
     if dense is not None:
         out = outs[0]
         native = lib.bind_norm_linear(out.view(-1, out.shape[-1]), x2, norm_weight, eps, dense,

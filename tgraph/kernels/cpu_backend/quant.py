@@ -16,7 +16,10 @@
 - Everything else (``int8`` with group scales by default, ``fp8``, int4 groups the kernel
   refuses, non-fp32 activations) and the exact mode (``bf16_quant_activations=False``): the
   weight dequantized once, at first use, into a dense copy that is cached. That is exact but
-  holds the dense bytes; the reference path (``impl="reference"``) dequantizes per call.
+  holds the dense bytes; the reference path (``impl="reference"``) dequantizes per call. Where
+  the compiled CPU kernels take such a weight (int4 / int8 codes in groups of a multiple of 16,
+  a few rows; :mod:`tgraph.kernels.cpu_backend.native`), they read its codes instead: the dense
+  copy's bits, without the copy.
 
 Packed forms are cached per weight (keyed by the codes tensor, dropped with it), never per step.
 """
@@ -29,12 +32,28 @@ import torch
 
 from tgraph.quant import QuantizedWeight, unpack_int4
 
-__all__ = ["INT4_GROUP_SIZES", "PackedLinear", "packed_linear"]
+__all__ = ["INT4_GROUP_SIZES", "PackedLinear", "packed_how", "packed_linear"]
 
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what _weight_int4pack_mm_for_cpu takes
 # The packed kernels' vectorised path takes bf16 activations and scales (fp32 does not).
 _ACT = torch.bfloat16
 _INT8_MM = torch.ops.aten._weight_int8pack_mm.default
+
+
+def packed_how(w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True,
+               int8_groups: bool = False) -> str:
+    """Which form :class:`PackedLinear` gives ``w`` (its ``how``), without packing anything."""
+    scheme, k = w.scheme, w.shape[1]
+    group = scheme.block[1]
+    packable = bf16 and dtype == torch.float32
+    if packable and scheme.kind == "int4" and group in INT4_GROUP_SIZES and k % group == 0:
+        return "int4pack"
+    if packable and scheme.kind == "int8" and group == k:
+        return "int8pack"
+    if packable and int8_groups and scheme.kind == "int8" and scheme.block[0] == 1 \
+            and w.offset is None and k % group == 0:
+        return "int8groups"
+    return "dense"
 
 
 class PackedLinear:
@@ -51,33 +70,26 @@ class PackedLinear:
         self.perm = self.source_perm = w.perm
         self.n, self.k = w.shape
         self.dtype = dtype
-        scheme = w.scheme
-        group = scheme.block[1]
-        packable = bf16 and dtype == torch.float32
-        if packable and scheme.kind == "int4" and group in INT4_GROUP_SIZES \
-                and self.k % group == 0:
-            self.how = "int4pack"
+        group = w.scheme.block[1]
+        self.how = packed_how(w, dtype, bf16, int8_groups)
+        if self.how == "int4pack":
             codes = unpack_int4(w.qdata).to(torch.int32)
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
             self.group = group
             s = w.scale.t()  # (K / G, N)
             z = torch.zeros_like(s) if w.offset is None else w.offset.t() + 8.0 * s
             self.scales_zeros = torch.stack((s, z), dim=-1).to(_ACT).contiguous()
-        elif packable and scheme.kind == "int8" and group == self.k:
-            self.how = "int8pack"
+        elif self.how == "int8pack":
             self.packed = w.qdata.contiguous()
             self.scales = w.scale.reshape(self.n).to(_ACT).contiguous()
             self.offsets = None if w.offset is None else w.offset.reshape(self.n).contiguous()
-        elif packable and int8_groups and scheme.kind == "int8" and scheme.block[0] == 1 \
-                and w.offset is None and self.k % group == 0:
-            self.how = "int8groups"
+        elif self.how == "int8groups":
             self.group = group
             # (K / G, N, G): each group's codes a contiguous [N, G] matrix, its scales [N]
             self.packed = w.qdata.view(self.n, -1, group).transpose(0, 1).contiguous()
             self.scales = w.scale.t().to(_ACT).contiguous()
             self.per_group = list(zip(self.packed.unbind(0), self.scales.unbind(0)))
         else:
-            self.how = "dense"
             self.packed = w.dequantize(dtype)
             self.perm = None  # dequantize() put the columns back in place
 

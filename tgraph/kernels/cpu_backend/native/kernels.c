@@ -4,6 +4,9 @@
  *   once for all M rows, the rows of w split over the threads in contiguous chunks.
  * - tg_norm_linear: the RMSNorm of the M rows, then the linear; with swiglu the weight is
  *   [gate | up] ([2I, K], gate rows first) and out[M, I] = silu(gate) * up is written directly.
+ * - tg_linear_q: tg_linear on a quantized weight (int4 / int8 codes with fp32 group scales and
+ *   offsets), each weight dequantized as it is read, as torch's dequantization computes it: the
+ *   dense kernel's bits on the dequantized weight, from a quarter (int4) of its bytes.
  * - tg_rms_norm (with a residual added first or not) and tg_swiglu: the same norm and SwiGLU on
  *   their own, so that a norm or SwiGLU gives the same bits fused into a linear or not. The norm
  *   adds its squares in the order torch's CPU sum does: it has the reference's bits.
@@ -224,6 +227,154 @@ static void swiglu_rows(const float *restrict x, long ldx, long m, long k,
                 out[r * ldo + i + j] = silu(g) * u;
             }
         i += pairs;
+    }
+}
+
+/* ---- quantized weights ---------------------------------------------------------------------- */
+
+/* One quantized weight row: codes (int4: two per byte, even k in the low nibble; int8), and its
+ * groups' fp32 scales (and offsets). */
+typedef struct {
+    const uint8_t *codes;
+    const float *scale, *offset;
+} qrow;
+
+/* A group's scale and offset, in every lane. */
+#if defined(__AVX512F__)
+static inline vec vset(float v) { return _mm512_set1_ps(v); }
+#else
+static inline vec vset(float v) {
+    vec r;
+    for (int i = 0; i < LANES; i++) r.l[i] = v;
+    return r;
+}
+#endif
+
+/* The 16 weights from column p of a row, as torch's dequantization computes them (each product
+ * and sum rounded): s * q + b with offsets, s * (q - 8) for symmetric int4, s * q for int8. */
+INLINE vec qvalues(const uint8_t *codes, long p, int bits, int offsets, vec s, vec b) {
+#if defined(__AVX512F__)
+    __m512 q;
+    if (bits == 4) {
+        __m128i raw = _mm_loadl_epi64((const __m128i *)(codes + p / 2));
+        __m128i nib = _mm_set1_epi8(0x0F);
+        __m128i lo = _mm_and_si128(raw, nib), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), nib);
+        q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)));
+    } else {
+        q = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + p))));
+    }
+    if (offsets) return _mm512_add_ps(_mm512_mul_ps(s, q), b);
+    if (bits == 4) return _mm512_mul_ps(s, _mm512_sub_ps(q, _mm512_set1_ps(8.0f)));
+    return _mm512_mul_ps(s, q);
+#else
+    vec w;
+    for (int i = 0; i < LANES; i++) {
+        long c = p + i;
+        float q = bits == 4 ? (float)((codes[c / 2] >> (4 * (c & 1))) & 0x0F)
+                            : (float)((const int8_t *)codes)[c];
+        w.l[i] = offsets ? s.l[i] * q + b.l[i] : bits == 4 ? s.l[i] * (q - 8.0f) : s.l[i] * q;
+    }
+    return w;
+#endif
+}
+
+/* As tile(), the weights dequantized as they are read: each output's products and sums in the
+ * order tile() makes them on the dequantized weight (the same bits as the dense kernel on it).
+ * A group's scale and offset are read once per group, never per vector. */
+INLINE void qtile(const float *restrict x, long ldx, const qrow *wr, long k, long group, int bits,
+                  long pf, int mm, int nn, float sums[][TILE_N]) {
+    vec acc[TILE_M][TILE_N];
+    for (int i = 0; i < mm; i++)
+        for (int j = 0; j < nn; j++) acc[i][j] = vzero();
+    long pf_bytes = pf * bits / 32; /* pf floats of weights as code bytes */
+    int offsets = wr[0].offset != NULL;
+    for (long p0 = 0, gi = 0; p0 < k; p0 += group, gi++) {
+        vec sv[TILE_N], bv[TILE_N];
+        for (int j = 0; j < nn; j++) {
+            sv[j] = vset(wr[j].scale[gi]);
+            bv[j] = offsets ? vset(wr[j].offset[gi]) : vzero();
+        }
+        for (long p = p0; p < p0 + group; p += LANES) {
+            vec xv[TILE_M];
+            for (int i = 0; i < mm; i++) xv[i] = vload(x + i * ldx + p);
+            for (int j = 0; j < nn; j++) {  /* one weight vector live at a time: no spills */
+                vec w = qvalues(wr[j].codes, p, bits, offsets, sv[j], bv[j]);
+                __builtin_prefetch(wr[j].codes + p * bits / 8 + pf_bytes, 0, 3);
+                for (int i = 0; i < mm; i++) acc[i][j] = vfma(w, xv[i], acc[i][j]);
+            }
+        }
+    }
+    for (int i = 0; i < mm; i++)
+        for (int j = 0; j < nn; j++) sums[i][j] = vsum(acc[i][j]);
+}
+
+static void qtiles(const float *restrict x, long ldx, long m, const qrow *wr, long k,
+                   long group, int bits, long pf, int nn, float sums[][TILE_N]) {
+    int step = nn == 8 ? 2 : TILE_M;
+    for (long m0 = 0; m0 < m; m0 += step) {
+        const float *xm = x + m0 * ldx;
+        float (*s)[TILE_N] = sums + m0;
+        long mm = m - m0 < step ? m - m0 : step;
+        if (nn == 8) {
+            if (mm == 1) qtile(xm, ldx, wr, k, group, bits, pf, 1, 8, s);
+            else qtile(xm, ldx, wr, k, group, bits, pf, 2, 8, s);
+        } else if (nn == 4) {
+            switch (mm) {
+            case 1: qtile(xm, ldx, wr, k, group, bits, pf, 1, 4, s); break;
+            case 2: qtile(xm, ldx, wr, k, group, bits, pf, 2, 4, s); break;
+            case 3: qtile(xm, ldx, wr, k, group, bits, pf, 3, 4, s); break;
+            default: qtile(xm, ldx, wr, k, group, bits, pf, 4, 4, s); break;
+            }
+        } else {
+            switch (mm) {
+            case 1: qtile(xm, ldx, wr, k, group, bits, pf, 1, 1, s); break;
+            case 2: qtile(xm, ldx, wr, k, group, bits, pf, 2, 1, s); break;
+            case 3: qtile(xm, ldx, wr, k, group, bits, pf, 3, 1, s); break;
+            default: qtile(xm, ldx, wr, k, group, bits, pf, 4, 1, s); break;
+            }
+        }
+    }
+}
+
+/* out[m, n] = x[m, k] @ dequant(w)^T (+ bias) (+ res) for a quantized w: codes [n, ldq bytes],
+ * scales (and offsets) [n, k / group]; k and group multiples of 16. */
+void tg_linear_q(const float *x, long ldx, long m, long k, const uint8_t *codes, long ldq,
+                 int bits, const float *scale, const float *offset, long group, long n,
+                 const float *bias, const float *res, long ldr, float *out, long ldo,
+                 long prefetch, int threads) {
+    long groups = k / group;
+    for (long m0 = 0; m0 < m; m0 += MAX_ROWS) {
+        long mm = m - m0 < MAX_ROWS ? m - m0 : MAX_ROWS;
+        const float *xm = x + m0 * ldx;
+        long width = 4, blocks = (n + width - 1) / width; /* scales + weights + sums fit */
+#pragma omp parallel num_threads(threads) if (threads > 1)
+        {
+            long lo, hi;
+            chunk(blocks, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+            lo *= width;
+            hi = hi * width < n ? hi * width : n;
+            float sums[MAX_ROWS][TILE_N];
+            for (long j0 = lo; j0 < hi;) {
+                int nn = hi - j0 >= width ? (int)width : 1;
+                qrow wr[TILE_N];
+                for (int j = 0; j < nn; j++) {
+                    long row = j0 + j;
+                    wr[j].codes = codes + row * ldq;
+                    wr[j].scale = scale + row * groups;
+                    wr[j].offset = offset ? offset + row * groups : NULL;
+                }
+                qtiles(xm, ldx, mm, wr, k, group, bits, prefetch, nn, sums);
+                for (long i = 0; i < mm; i++)
+                    for (int j = 0; j < nn; j++) {
+                        float y = sums[i][j];
+                        if (bias) y += bias[j0 + j];
+                        if (res) y += res[(m0 + i) * ldr + j0 + j];
+                        out[(m0 + i) * ldo + j0 + j] = y;
+                    }
+                j0 += nn;
+            }
+        }
     }
 }
 

@@ -19,6 +19,7 @@ import torch
 
 from tgraph.kernels.cpu_backend.native import build as builder
 from tgraph.kernels.triton.checks import memory_overlaps
+from tgraph.quant import QuantizedWeight
 
 __all__ = ["NativeCall", "NativeLibrary", "library"]
 
@@ -29,6 +30,7 @@ _P, _L, _I, _F = ctypes.c_void_p, ctypes.c_long, ctypes.c_int, ctypes.c_float
 _SIGNATURES = {
     "tg_linear": [_P, _L, _L, _L, _P, _L, _L, _P, _P, _L, _P, _L, _L, _I],
     "tg_norm_linear": [_P, _L, _L, _L, _P, _F, _I, _P, _P, _L, _L, _P, _I, _P, _L, _L, _I],
+    "tg_linear_q": [_P, _L, _L, _L, _P, _L, _I, _P, _P, _L, _L, _P, _P, _L, _P, _L, _L, _I],
     "tg_rms_norm": [_P, _L, _P, _L, _P, _L, _L, _L, _P, _F, _I, _P, _L, _I],
     "tg_sum_squares": [_P, _L, _I],
     "tg_swiglu": [_P, _L, _L, _L, _P, _L, _I],
@@ -78,6 +80,20 @@ def _same_or_apart(a: torch.Tensor, b: torch.Tensor) -> bool:
     """``a`` and ``b`` are the same memory element for element, or do not overlap."""
     same = a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
     return same or not memory_overlaps(a, b)
+
+
+def _quant_ok(w: QuantizedWeight) -> bool:
+    """int4 / int8 codes on the CPU in stored column order, contiguous fp32 scales (and offsets)
+    per group of a multiple of 16 columns (or per channel), K a multiple of 16."""
+    (n, k), (rows, cols) = w.shape, w.scheme.block
+    group = min(cols, k)
+    if w.scheme.kind not in ("int4", "int8") or rows != 1 or w.perm is not None \
+            or w.qdata.device.type != "cpu" or k % 16 or group % 16 or k % group \
+            or w.qdata.stride(1) != 1:
+        return False
+    return all(t is None or (t.dtype == _F32 and t.is_contiguous()
+                             and tuple(t.shape) == (n, k // group))
+               for t in (w.scale, w.offset))
 
 
 def _int32_ok(t: torch.Tensor, rows: int) -> bool:
@@ -144,6 +160,37 @@ class NativeLibrary:
                 _ptr(res2), 0 if res2 is None else res2.stride(0), out2.data_ptr(),
                 out2.stride(0), prefetch_bytes // 4, threads)
         return NativeCall(self._fns["tg_linear"], args, (out2, x2, w, bias, res2))
+
+    @staticmethod
+    def takes_quantized(w: QuantizedWeight) -> bool:
+        """Whether :meth:`bind_linear_q` takes ``w``'s layout (its activations checked apart)."""
+        return _quant_ok(w)
+
+    def bind_linear_q(self, out2: torch.Tensor, x2: torch.Tensor, w: QuantizedWeight,
+                      bias: torch.Tensor | None, res2: torch.Tensor | None, threads: int,
+                      prefetch_bytes: int = 1024) -> NativeCall | None:
+        """:meth:`bind_linear` on a quantized weight kept packed: int4 or int8 codes with fp32
+        scales (and offsets) per group of a multiple of 16 columns along K (or per channel),
+        stored columns in order, K a multiple of 16. Each weight is dequantized as it is read,
+        as :meth:`QuantizedWeight.dequantize` computes it, so the result has the bits of
+        :meth:`bind_linear` on the dequantized weight."""
+        if not (isinstance(w, QuantizedWeight) and _quant_ok(w) and _rows_ok(out2)
+                and _rows_ok(x2) and _vector_ok(bias, w.shape[0])):
+            return None
+        (m, k), (n, wk) = x2.shape, w.shape
+        if m == 0 or wk != k or tuple(out2.shape) != (m, n) or memory_overlaps(out2, x2) \
+                or (bias is not None and memory_overlaps(out2, bias)):
+            return None
+        if res2 is not None and not (_rows_ok(res2) and tuple(res2.shape) == (m, n)
+                                     and _same_or_apart(out2, res2)):
+            return None
+        group = min(w.scheme.block[1], k)
+        args = (x2.data_ptr(), x2.stride(0), m, k, w.qdata.data_ptr(), w.qdata.stride(0),
+                w.scheme.bits, w.scale.data_ptr(), _ptr(w.offset), group, n, _ptr(bias),
+                _ptr(res2), 0 if res2 is None else res2.stride(0), out2.data_ptr(),
+                out2.stride(0), prefetch_bytes // 4, threads)
+        return NativeCall(self._fns["tg_linear_q"], args,
+                          (out2, x2, w.qdata, w.scale, w.offset, bias, res2))
 
     def bind_rms_norm(self, out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
                       eps: float, threads: int, res2: torch.Tensor | None = None,
