@@ -309,33 +309,22 @@ INLINE void qtile(const float *restrict x, long ldx, const qrow *wr, long k, lon
         for (int j = 0; j < nn; j++) sums[i][j] = vsum(acc[i][j]);
 }
 
+/* qtile() over all m rows of x, TILE_M at a time, with nn (4 or 1) weight rows: each call's
+ * row counts spelled out as constants, so its accumulators stay in registers. */
+#define QTILE(MM, NN) qtile(xm, ldx, wr, k, group, bits, pf, MM, NN, s)
 static void qtiles(const float *restrict x, long ldx, long m, const qrow *wr, long k,
                    long group, int bits, long pf, int nn, float sums[][TILE_N]) {
-    int step = nn == 8 ? 2 : TILE_M;
-    for (long m0 = 0; m0 < m; m0 += step) {
+    for (long m0 = 0; m0 < m; m0 += TILE_M) {
         const float *xm = x + m0 * ldx;
         float (*s)[TILE_N] = sums + m0;
-        long mm = m - m0 < step ? m - m0 : step;
-        if (nn == 8) {
-            if (mm == 1) qtile(xm, ldx, wr, k, group, bits, pf, 1, 8, s);
-            else qtile(xm, ldx, wr, k, group, bits, pf, 2, 8, s);
-        } else if (nn == 4) {
-            switch (mm) {
-            case 1: qtile(xm, ldx, wr, k, group, bits, pf, 1, 4, s); break;
-            case 2: qtile(xm, ldx, wr, k, group, bits, pf, 2, 4, s); break;
-            case 3: qtile(xm, ldx, wr, k, group, bits, pf, 3, 4, s); break;
-            default: qtile(xm, ldx, wr, k, group, bits, pf, 4, 4, s); break;
-            }
-        } else {
-            switch (mm) {
-            case 1: qtile(xm, ldx, wr, k, group, bits, pf, 1, 1, s); break;
-            case 2: qtile(xm, ldx, wr, k, group, bits, pf, 2, 1, s); break;
-            case 3: qtile(xm, ldx, wr, k, group, bits, pf, 3, 1, s); break;
-            default: qtile(xm, ldx, wr, k, group, bits, pf, 4, 1, s); break;
-            }
-        }
+        long mm = m - m0 < TILE_M ? m - m0 : TILE_M;
+        if (nn == 4)
+            mm == 1 ? QTILE(1, 4) : mm == 2 ? QTILE(2, 4) : mm == 3 ? QTILE(3, 4) : QTILE(4, 4);
+        else
+            mm == 1 ? QTILE(1, 1) : mm == 2 ? QTILE(2, 1) : mm == 3 ? QTILE(3, 1) : QTILE(4, 1);
     }
 }
+#undef QTILE
 
 /* out[m, n] = x[m, k] @ dequant(w)^T (+ bias) (+ res) for a quantized w: codes [n, ldq bytes],
  * scales (and offsets) [n, k / group]; k and group multiples of 16. */
