@@ -88,13 +88,7 @@ def run_case(model: Any, lengths: Sequence[int], loras: Sequence[str | None] | N
     before = REPLAYS[0]
     rows = [model.run(batch).float().cpu()]
     replays = REPLAYS[0] - before
-    for tokens in fed:
-        for s, t in zip(ids, tokens):
-            batcher.append(s, t)
-        batch = batcher.step(ids)
-        assert not batch.is_prefill
-        batch.loras = loras
-        rows.append(model.run(batch).float().cpu())
+    rows += [r.cpu() for r in batcher.decode_fed(model, ids, fed, loras)]
     return torch.stack(rows), replays
 
 

@@ -136,14 +136,7 @@ def decode_trace(model: Any, loras: list[str | None], seed: int = 0) -> torch.Te
     ids = [batcher.add(p) for p in prompts]
     batch = batcher.step(ids)
     batch.loras = loras
-    rows = [model.run(batch).float().clone()]
-    for tokens in fed:
-        for s, t in zip(ids, tokens):
-            batcher.append(s, t)
-        batch = batcher.step(ids)
-        assert not batch.is_prefill
-        batch.loras = loras
-        rows.append(model.run(batch).float().clone())
+    rows = [model.run(batch).float().clone()] + batcher.decode_fed(model, ids, fed, loras)
     out = torch.stack(rows)
     assert torch.isfinite(out).all(), "non-finite logits"
     return out

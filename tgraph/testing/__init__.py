@@ -272,6 +272,30 @@ class PagedBatcher:
                          is_prefill=is_prefill)
 
 
+    def decode_fed(self, model: Any, seqs: Sequence[int], fed: Sequence[Sequence[int]],
+                   loras: list[str | None] | None = None) -> list[torch.Tensor]:
+        """Decode steps that feed given tokens instead of each step's argmax (so two runs that
+        differ a little still compare the same tokens): ``fed[step][i]`` is appended to
+        ``seqs[i]`` before step ``step`` runs.
+
+        Returns:
+            Each step's logits, fp32 (a copy).
+
+        Raises:
+            ValueError: a step is not a decode step (a sequence without cached context).
+        """
+        rows = []
+        for tokens in fed:
+            for s, t in zip(seqs, tokens):
+                self.append(s, t)
+            batch = self.step(seqs)
+            if batch.is_prefill:
+                raise ValueError("decode_fed: every sequence needs its prompt prefilled first")
+            batch.loras = loras
+            rows.append(model.run(batch).float().clone())
+        return rows
+
+
 # ---------------------------------------------------------------------------------- driving
 @dataclass
 class GreedyTrace:
