@@ -54,9 +54,11 @@ def _profiled(path: str | None, llm):
     prof = torch.profiler.profile(activities=activities)
     # The model runs on the engine's thread; the profiler records the thread it starts on.
     llm.engine.call(prof.start)
+    llm.runner.name_steps = True
     try:
         yield
     finally:
+        llm.runner.name_steps = False
         llm.engine.call(prof.stop)
     prof.export_chrome_trace(path)
     print(f"[profile written to {path}]", file=sys.stderr)
