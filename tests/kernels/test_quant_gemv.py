@@ -19,6 +19,7 @@ from tests.gpu_tiers import sweep
 from tests.helpers import capture_cuda_graph
 from tgraph.kernels.triton.gemv import prefer_quant_gemv, small_m_linear
 from tgraph.quant import QuantizedWeight, quantize
+from tgraph.quant.weight import unpack_int4
 from tgraph.tuning import GemvTuning, QuantGemvTuning
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,6 +100,51 @@ def test_one_row_int4_on_16_bit_activations_keeps_its_stated_precision(offsets, 
     assert float(excess.max()) <= 0, f"error above its bound by {float(excess.max()):.3g}"
 
 
+def _bf16_word_chains(x, w) -> torch.Tensor:
+    """The one-row int4 kernel's arithmetic on bf16 activations, modelled in float64: per int32
+    word, columns 0-3 and 4-7 are two chains of ``acc = bf16(acc + (q - 8) * x)`` (one
+    ``fma.rn.bf16x2`` a step), their sum scaled per group in fp32 (offsets: plus ``(b + 8 s) *
+    sum(x)``)."""
+    n, k = w.shape
+    cols = w.scheme.block[1]
+    q = unpack_int4(w.qdata).double().view(n, k // 8, 2, 4)
+    xs = x.double().view(1, k // 8, 2, 4)
+    acc = torch.zeros(n, k // 8, 2, dtype=torch.float64, device=x.device)
+    for i in range(4):
+        acc = (acc + (q[..., i] - 8.0) * xs[..., i]).to(torch.bfloat16).double()
+    group = torch.arange(k // 8, device=x.device) * 8 // cols
+    scale = w.scale.double()[:, group]
+    y = (acc.sum(-1) * scale).sum(-1)
+    if w.offset is not None:
+        y = y + ((w.offset.double()[:, group] + 8 * scale) * xs.sum((-1, -2))).sum(-1)
+    return y[None]
+
+
+@pytest.mark.parametrize("offsets, group", [(False, 128), (True, 32), (False, None)])
+def test_one_row_int4_on_bf16_activations_sums_words_in_bf16_pairs(offsets, group):
+    """On bf16 activations each word's eight products are summed as two chains of four bf16x2
+    FMAs (2.25 instructions a code against ~4.7 in fp32): the output equals the model of that
+    arithmetic to the output's own rounding (one bf16 ulp), and stays within its worst case of
+    ``5 * 2**-8`` of ``|x| @ |w - b|.T`` (four roundings of a chain of ``(q - 8) * x``, whose
+    size that bounds) from the exact product; an fp32 kernel would miss the model by the chains'
+    error."""
+    k = 2048
+    w = _weight("int4", group, offsets, None, 96, k, torch.bfloat16, seed=5)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(6)).to(DEV, torch.bfloat16)
+    out = torch.empty(1, 96, device=DEV, dtype=torch.bfloat16)
+    small_m_linear(x, w, out)
+    model = _bf16_word_chains(x, w)
+    ulp = 2.0 ** (torch.floor(torch.log2(model.abs().clamp_min(1e-30))) - 7)
+    assert float(((out.double() - model).abs() / ulp).max()) <= 1.0
+    wd = w.dequantize(torch.float32).double()
+    scale = w.scale.double().repeat_interleave(w.scheme.block[1], 1)[:, :k]
+    centred = (unpack_int4(w.qdata).double() - 8).abs() * scale
+    exact, mag = x.double() @ wd.T, x.double().abs() @ centred.T
+    assert float(((out.double() - exact).abs() - (5 * 2 ** -8 * mag + ulp)).max()) <= 0
+    # The model is ulps away from the exact sum: the first check tells the chains from fp32.
+    assert float(((model - exact).abs() / ulp).max()) > 2.5
+
+
 def test_one_row_on_tensor_cores_matches_too():
     """``m1_fma=False`` pads one row to 16 for the MMA path: same results within the bound."""
     w = _weight("int4", 32, True, None, 70, 192, torch.bfloat16)
@@ -160,13 +206,13 @@ from triton.compiler import ASTSource
 
 from tgraph.kernels.triton.gemv_kernels import small_m_linear_kernel as fn
 
-# One row as the launcher specialises Llama-3-8B's linears: int4 g128 words (the PTX unpack of
-# 16-bit activations' one-FMA form, and fp32's exact form), fp8 channel codes (4 x 2048 tiles,
+# One row as the launcher specialises Llama-3-8B's linears: int4 g128 words (bf16's packed
+# PTX word sums, fp16's one-FMA form, fp32's exact form), fp8 channel codes (4 x 2048 tiles,
 # folded in runs of 16 columns); plain with the residual, the fused norm (its register cap),
 # gated with the norm.
 DIV16 = {"N", "K", "k_per_split", "gate_rows", "stride_xm", "stride_wn", "stride_rm",
          "stride_om", "stride_qs"}
-for kind, x_type in ((0, "*bf16"), (0, "*fp32"), (2, "*bf16")):
+for kind, x_type in ((0, "*bf16"), (0, "*fp16"), (0, "*fp32"), (2, "*bf16")):
     for norm, gated, res, cap in ((False, False, True, None), (True, False, False, 80),
                                   (True, True, False, None)):
         consts = dict(HAS_BIAS=False, HAS_RES=res, WRITE_PARTIAL=False, NORM=norm, HAS_G=norm,

@@ -320,7 +320,7 @@ def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
     if _quant_block_m(M, weight, tuning) == 1:
         kind = weight.scheme.kind
         block_n = {"int8": q.m1_int8_block_n, "fp8": q.m1_fp8_block_n}.get(kind, q.m1_block_n)
-        block_k = q.m1_fp8_block_k if kind == "fp8" else q.m1_block_k
+        block_k = {"int4": q.m1_int4_block_k, "fp8": q.m1_fp8_block_k}.get(kind, q.m1_block_k)
         return (block_n, _one_row_block_k(weight, block_k), 1, q.m1_num_warps,
                 q.m1_num_stages)
     block_k = quant_block_k(weight, q.block_k)

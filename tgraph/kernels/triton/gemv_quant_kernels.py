@@ -7,6 +7,8 @@ under its ``QKIND`` constexpr; the layouts are :mod:`tgraph.kernels.triton.quant
 """
 from __future__ import annotations
 
+import struct
+
 import triton
 import triton.language as tl
 
@@ -107,6 +109,88 @@ def _unpack_word_ptx(magic: int, byte_at: int) -> str:
 # 0x3F000000, 0.5 + q / 256 (see _word_sums).
 _UNPACK_WORD_ASM: tl.constexpr = tl.constexpr(_unpack_word_ptx(0x4B000000, 0))
 _UNPACK_WORD_HALF_ASM: tl.constexpr = tl.constexpr(_unpack_word_ptx(0x3F000000, 2))
+
+
+def _bf16_bits(value: float) -> int:
+    """The bits of ``value`` as bf16 (exact for the small integers used here)."""
+    return struct.unpack("<I", struct.pack("<f", value))[0] >> 16
+
+
+def _word_dot_ptx(zero: int) -> str:
+    """PTX for ``sum((q - zero) * x)`` over an int32 word of eight int4 codes (nibble ``n`` holds
+    column ``n``) against four bf16x2 pairs of activations (``$2``-``$5``: columns ``i`` and
+    ``i + 4``), returned as fp32. Per pair: one LOP3 puts nibbles ``i`` and ``i + 4`` under the
+    bf16 ``128`` in each half, one FMA makes ``q - zero`` (exact), one FMA accumulates; the
+    two halves' sums are added in fp32: 2.25 instructions per code."""
+    off = _bf16_bits(-(128.0 + zero))
+    lines = [".reg .b32 c0, c1, c2, c3, t, one, off, msk, mag, acc, lo, hi;",
+             "mov.b32 one, 0x3F803F80;", f"mov.b32 off, {off << 16 | off:#010x};",
+             "mov.b32 msk, 0x000F000F;", "mov.b32 mag, 0x43004300;",
+             "lop3.b32 c0, $1, msk, mag, 0xEA;"]  # (a & b) | c
+    for i in range(1, 4):
+        lines += [f"shr.u32 t, $1, {4 * i};", f"lop3.b32 c{i}, t, msk, mag, 0xEA;"]
+    lines += [f"fma.rn.bf16x2 c{i}, c{i}, one, off;" for i in range(4)]
+    lines.append("mov.b32 acc, 0x80008000;")  # -0.0: the first FMA returns the product's bits
+    lines += [f"fma.rn.bf16x2 acc, c{i}, ${2 + i}, acc;" for i in range(4)]
+    lines += ["shl.b32 lo, acc, 16;", "and.b32 hi, acc, 0xFFFF0000;", "add.f32 $0, lo, hi;"]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+# Codes centred on 8 whatever the layout: sums of smaller products round less (offsets fold it).
+_WORD_DOT_ASM: tl.constexpr = tl.constexpr(_word_dot_ptx(8))
+
+
+@triton.jit
+def _bf16_high_bits(v, ASM: tl.constexpr):
+    """fp32 ``v`` rounded to the nearest bf16 (ties to even), as int32 bits with the bf16 in the
+    high half; ``ASM``: by the hardware's conversion, else by integer ops (the interpreter's
+    conversion truncates)."""
+    if ASM:
+        bits = v.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16
+    else:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return bits
+
+
+@triton.jit
+def _pair_bits(a, b, ASM: tl.constexpr):
+    """``a`` (low half) and ``b`` (high half) rounded to bf16, as one int32 of bf16x2 bits."""
+    lo = (_bf16_high_bits(a, ASM) >> 16) & 0xFFFF
+    return lo | _bf16_high_bits(b, ASM)
+
+
+@triton.jit
+def _bf16_fma(words, shift: tl.constexpr, pair, half: tl.constexpr, acc):
+    """``acc + (q - 8) * x`` rounded to bf16 as ``fma.rn.bf16x2`` does (for the interpreter),
+    for the nibble at bit ``shift`` of ``words`` and the ``half`` (0 low, 1 high) of the bf16x2
+    ``pair``."""
+    q = ((words >> shift) & 0xF).to(tl.float32) - 8.0
+    if half == 0:
+        x = (pair << 16).to(tl.float32, bitcast=True)
+    else:
+        x = (pair & -65536).to(tl.float32, bitcast=True)
+    return _bf16_high_bits(q * x + acc, False).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _packed_word_dot(words, p0, p1, p2, p3, ASM: tl.constexpr):
+    """``sum((q - 8) * x)`` per int32 word of int4 codes on bf16x2 pairs of activations (see
+    :func:`_word_dot_ptx`); the interpreter rounds as the PTX does."""
+    if ASM:
+        t = tl.inline_asm_elementwise(_WORD_DOT_ASM, "=f,r,r,r,r,r", [words, p0, p1, p2, p3],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        lo = _bf16_fma(words, 0, p0, 0, tl.zeros(words.shape, tl.float32))
+        hi = _bf16_fma(words, 16, p0, 1, tl.zeros(words.shape, tl.float32))
+        lo = _bf16_fma(words, 4, p1, 0, lo)
+        hi = _bf16_fma(words, 20, p1, 1, hi)
+        lo = _bf16_fma(words, 8, p2, 0, lo)
+        hi = _bf16_fma(words, 24, p2, 1, hi)
+        lo = _bf16_fma(words, 12, p3, 0, lo)
+        hi = _bf16_fma(words, 28, p3, 1, hi)
+        t = lo + hi
+    return t
 
 
 @triton.jit
@@ -220,6 +304,32 @@ def _fold_words(acc, t, s, b, sx, BLOCK_N: tl.constexpr, W: tl.constexpr, QNG: t
 
 
 @triton.jit
+def _packed_row_step(acc, acc_u, words, words_u, x0, x1, x2, x3, x4, x5, x6, x7, s, b, sx,
+                     qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0, k_end, stride_qs,
+                     BLOCK_N: tl.constexpr, W: tl.constexpr, GATED: tl.constexpr,
+                     QROWS: tl.constexpr, QCOLS: tl.constexpr, QNG: tl.constexpr,
+                     QOFFSETS: tl.constexpr, QZERO: tl.constexpr, ASM: tl.constexpr):
+    """:func:`int4_row_step` on bf16 activations: each word's ``t = sum((q - 8) * x)`` in
+    bf16x2 (:func:`_packed_word_dot`), then ``s * t`` in fp32, with offsets ``+ (b + 8 s) *
+    sum(x)``, as the exact form folds its sums."""
+    shape: tl.constexpr = [BLOCK_N, W]
+    # Nibble n of a word holds its column n: pair i is columns i and i + 4.
+    p0 = tl.broadcast_to(_pair_bits(x0, x4, ASM), shape)
+    p1 = tl.broadcast_to(_pair_bits(x1, x5, ASM), shape)
+    p2 = tl.broadcast_to(_pair_bits(x2, x6, ASM), shape)
+    p3 = tl.broadcast_to(_pair_bits(x3, x7, ASM), shape)
+    t = _packed_word_dot(words, p0, p1, p2, p3, ASM)
+    acc = _fold_words(acc, t, s, b + 8.0 * s, sx, BLOCK_N, W, QNG, QOFFSETS, True, QZERO)
+    if GATED:  # the "up" rows against the same pairs
+        s_u, b_u = load_scale_tile(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, k_end,
+                                   stride_qs, QROWS, QCOLS, QNG, QOFFSETS)
+        t_u = _packed_word_dot(words_u, p0, p1, p2, p3, ASM)
+        acc_u = _fold_words(acc_u, t_u, s_u, b_u + 8.0 * s_u, sx, BLOCK_N, W, QNG, QOFFSETS,
+                            True, QZERO)
+    return acc, acc_u
+
+
+@triton.jit
 def load_words(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
     """The int32 words of codes of the K tile at ``k0`` (and of the "up" rows); past ``k_end``
     they read as zeros."""
@@ -246,13 +356,37 @@ def int4_row_step(acc, acc_u, sq, words, words_u, qs_ptr, qb_ptr, offs_n, gate_r
     W: tl.constexpr = BLOCK_K // 8
     offs_w = k0 // 8 + tl.arange(0, W)
     mask_w = offs_w < k_end // 8
-    # 16-bit activations take one FMA per code (see _word_sums); fp32 ones the exact products.
+    # bf16 activations take packed bf16x2 products (see _word_dot_ptx); fp16 ones one fp32 FMA
+    # per code (see _word_sums); fp32 ones the exact products.
+    PACKED: tl.constexpr = x_rows.dtype.element_ty == tl.bfloat16
     EXACT: tl.constexpr = x_rows.dtype.element_ty == tl.float32
     x0, x1, x2, x3, x4, x5, x6, x7, sx, part = _x_word_columns(x_rows, g_ptr, offs_w, mask_w,
                                                               W, NORM, HAS_G)
     sq += part
     s, b = load_scale_tile(qs_ptr, qb_ptr, offs_n, mask_n, k0, k_end, stride_qs, QROWS, QCOLS,
                            QNG, QOFFSETS)
+    if PACKED:  # x0..x7 are columns 0, 2, 4, 6, 1, 3, 5, 7: passed in column order
+        acc, acc_u = _packed_row_step(acc, acc_u, words, words_u, x0, x4, x1, x5, x2, x6, x3,
+                                      x7, s, b, sx, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n,
+                                      k0, k_end, stride_qs, BLOCK_N, W, GATED, QROWS, QCOLS,
+                                      QNG, QOFFSETS, QZERO, ASM)
+    else:
+        acc, acc_u = _fp32_row_step(acc, acc_u, words, words_u, x0, x1, x2, x3, x4, x5, x6, x7,
+                                    s, b, sx, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0,
+                                    k_end, stride_qs, BLOCK_N, W, GATED, QROWS, QCOLS, QNG,
+                                    QOFFSETS, QZERO, ASM, EXACT)
+    return acc, acc_u, sq
+
+
+@triton.jit
+def _fp32_row_step(acc, acc_u, words, words_u, x0, x1, x2, x3, x4, x5, x6, x7, s, b, sx,
+                   qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0, k_end, stride_qs,
+                   BLOCK_N: tl.constexpr, W: tl.constexpr, GATED: tl.constexpr,
+                   QROWS: tl.constexpr, QCOLS: tl.constexpr, QNG: tl.constexpr,
+                   QOFFSETS: tl.constexpr, QZERO: tl.constexpr, ASM: tl.constexpr,
+                   EXACT: tl.constexpr):
+    """:func:`int4_row_step` on fp16 or fp32 activations, in fp32: ``x0``-``x7`` are columns 0,
+    2, 4, 6, 1, 3, 5, 7 of each word, as :func:`_unpack_words` returns its codes."""
     c0, c1, c2, c3, c4, c5, c6, c7 = _unpack_words(words, ASM, EXACT)
     t = _word_sums(c0, c1, c2, c3, c4, c5, c6, c7, x0, x1, x2, x3, x4, x5, x6, x7, EXACT, QZERO)
     acc = _fold_words(acc, t, s, b, sx, BLOCK_N, W, QNG, QOFFSETS, EXACT, QZERO)
@@ -263,4 +397,4 @@ def int4_row_step(acc, acc_u, sq, words, words_u, qs_ptr, qb_ptr, offs_n, gate_r
         t_u = _word_sums(u0, u1, u2, u3, u4, u5, u6, u7, x0, x1, x2, x3, x4, x5, x6, x7, EXACT,
                          QZERO)
         acc_u = _fold_words(acc_u, t_u, s_u, b_u, sx, BLOCK_N, W, QNG, QOFFSETS, EXACT, QZERO)
-    return acc, acc_u, sq
+    return acc, acc_u
