@@ -98,9 +98,11 @@ class QuantGemvTuning(_Section):
                                    "whole-step sweep's best for int8)")
     m1_fp8_block_n: int = knob(4, "one row of fp8 codes: weight rows per program (with its "
                                   "2048-wide K tiles, the cold per-layer sweep's best)")
-    m1_block_k: int = knob(1024, "one row of int8 codes: K per step, whole scale groups")
+    m1_block_k: int = knob(1024, "one row of int8 codes, and of int4 codes under "
+                                 "m1_int4_norm_registers: K per step, whole scale groups")
     m1_int4_block_k: int = knob(2048, "one row of int4 codes: K per step, whole scale groups "
-                                      "(the packed bf16 word sums' cold per-layer best)")
+                                      "(the packed bf16 word sums' cold per-layer best; 2048 "
+                                      "spills under the norm's register cap)")
     m1_fp8_block_k: int = knob(2048, "one row of fp8 codes: K per step (int8 measured slower "
                                      "at 2048)")
     m1_num_warps: int = knob(4, "one row: warps per program")

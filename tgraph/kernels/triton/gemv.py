@@ -313,14 +313,16 @@ def _quant_block_m(M: int, weight: QuantizedWeight, tuning: GemvTuning) -> int:
 
 
 def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
-                  tuning: GemvTuning) -> tuple[int, int, int, int, int]:
+                  tuning: GemvTuning, capped: bool = False) -> tuple[int, int, int, int, int]:
     """The launch on a quantized weight: ``GemvTuning.quant``'s tiles, K split until the grid
-    has ``programs_per_sm`` programs per SM (one row: its own tiles, no split)."""
+    has ``programs_per_sm`` programs per SM (one row: its own tiles, no split). ``capped``: a
+    fused norm without the gate, whose int4 registers are capped (``m1_int4_norm_registers``)."""
     q = tuning.quant
     if _quant_block_m(M, weight, tuning) == 1:
         kind = weight.scheme.kind
         block_n = {"int8": q.m1_int8_block_n, "fp8": q.m1_fp8_block_n}.get(kind, q.m1_block_n)
-        block_k = {"int4": q.m1_int4_block_k, "fp8": q.m1_fp8_block_k}.get(kind, q.m1_block_k)
+        int4_k = q.m1_block_k if capped and q.m1_int4_norm_registers else q.m1_int4_block_k
+        block_k = {"int4": int4_k, "fp8": q.m1_fp8_block_k}.get(kind, q.m1_block_k)
         return (block_n, _one_row_block_k(weight, block_k), 1, q.m1_num_warps,
                 q.m1_num_stages)
     block_k = quant_block_k(weight, q.block_k)
@@ -510,7 +512,8 @@ def small_m_linear(
         return out
 
     if config is None and quantized:
-        config = _quant_config(M, N, weight, device, tuning)
+        config = _quant_config(M, N, weight, device, tuning,
+                               capped=norm_eps is not None and not gated)
     elif config is None:  # the heuristic, or an override of the tuning (checked the same way)
         config = choose_config(M, N, K, device, gated=gated, norm=norm_eps is not None,
                                itemsize=x.element_size(), tuning=tuning)
