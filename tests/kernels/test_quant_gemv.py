@@ -40,7 +40,7 @@ def centred_magnitude(xf: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     """``|x| @ |s (q - 8)|.T`` of int4 codes: what bounds the bf16x2 word sums' rounding."""
     k = w.shape[1]
     scale = w.scale.float().repeat_interleave(w.scheme.block[1], 1)[:, :k]
-    return xf.abs() @ ((unpack_int4(w.qdata).float() - 8).abs() * scale).T
+    return xf.abs() @ ((unpack_int4(w.qdata).float() - 8) * scale).abs().T  # scales may be < 0
 
 
 def packs_words(m: int, w: QuantizedWeight, dtype: torch.dtype) -> bool:
