@@ -10,13 +10,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from tgraph.kernels.triton.gemv_quant_kernels import (
-    ROW_FOLD,
-    int4_row_step,
-    k_step_q,
-    load_q_tile,
-    load_words,
-)
+from tgraph.kernels.triton.gemv_int4_row import int4_row_step, load_words
+from tgraph.kernels.triton.gemv_quant_kernels import ROW_FOLD, k_step_q, load_q_tile
 from tgraph.kernels.triton.gemv_tiles import load_x_tile, mac
 from tgraph.kernels.triton.pdl import pdl_wait
 
