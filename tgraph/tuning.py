@@ -91,10 +91,6 @@ class QuantGemvTuning(_Section):
     num_stages: int = knob(4, "software-pipeline depth of the code loads")
     programs_per_sm: int = knob(4, "split K until the grid has this many programs per SM (the "
                                    "whole-step sweep's best at 16 and 64 rows for every scheme)")
-    int4_nibble_halves: bool = knob(False, "2-64 rows of int4 codes multiply the even and odd "
-                                           "columns as two K halves: the bytes reach the MMA's "
-                                           "registers with no tile through shared memory (off "
-                                           "until measured on a GPU)")
     m1_fma: bool = knob(True, "one row runs on CUDA cores (the tile dequantized in registers), "
                               "as the bf16 GEMV of one row does, not padded to 16 for MMA")
     m1_block_n: int = knob(8, "one row of int4 codes: weight rows per program")

@@ -30,10 +30,6 @@ LAYOUTS = [("int4", 32, False, None), ("int4", 64, True, None), ("int4", None, F
            ("fp8", None, False, (32, 64))]
 
 
-DEFAULTS = GemvTuning()
-HALVES = GemvTuning(quant=QuantGemvTuning(int4_nibble_halves=True))
-
-
 def _weight(kind, group, offsets, block, n, k, dtype, seed=0) -> QuantizedWeight:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=g) / k ** 0.5
@@ -86,33 +82,19 @@ def _check(out, want, mag, dtype):
 @pytest.mark.parametrize("m", [1, 5, 40])
 @pytest.mark.parametrize("fused", ["plain", "norm+gate", "norm+split", "gate+split"])
 def test_matches_the_dense_reference(kind, group, offsets, block, dtype, m, fused):
-    _check_case((kind, group, offsets, block), dtype, m, fused)
-
-
-def _check_case(layout, dtype, m, fused, tuning=DEFAULTS):
     n, k = 70, 192  # ragged against every tile; 192 is not a power of two
     gated, norm = "gate" in fused, "norm" in fused
     split = 3 if "split" in fused else None
-    w = _weight(*layout, 2 * n if gated else n, k, dtype)
+    w = _weight(kind, group, offsets, block, 2 * n if gated else n, k, dtype)
     x = torch.randn(m, k, device=DEV).to(dtype)
     g = torch.randn(k, device=DEV).to(dtype) if norm else None
     r = torch.randn(m, n, device=DEV).to(dtype)
     out = torch.full((m, n), float("nan"), device=DEV, dtype=dtype)
     assert prefer_quant_gemv(m, w)
     small_m_linear(x, w, out, residual=r, norm_eps=1e-5 if norm else None, norm_weight=g,
-                   gated=gated, split_k=split, tuning=tuning)
+                   gated=gated, split_k=split)
     want, mag = _reference(x, w, g, gated, r)
     _check(out, want, mag, dtype)
-
-
-
-@pytest.mark.parametrize("layout", [lay for lay in LAYOUTS if lay[0] == "int4"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m", [5, 40])
-@pytest.mark.parametrize("fused", ["plain", "norm+gate", "gate+split"])
-def test_int4_as_nibble_halves_matches_the_dense_reference(layout, dtype, m, fused):
-    """``int4_nibble_halves``: the even and odd columns as two K halves on the tensor cores."""
-    _check_case(layout, dtype, m, fused, HALVES)
 
 
 @pytest.mark.parametrize("offsets, group", [(False, 128), (True, 32), (False, None)])
@@ -216,17 +198,6 @@ REAL = [("int4", 128, False, None), ("int8", None, False, None), ("fp8", None, F
           (REAL[2], 4, "norm+gate"), (REAL[3], 64, "plain"), (REAL[4], 1, "plain")],
     ids=(lambda r: f"{r[0]}-{r[1]}-{r[3]}", None, None)))
 def test_gpu_llama_shapes_in_a_cuda_graph(layout, m, fused):
-    _check_llama_shape_in_a_cuda_graph(layout, m, fused)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [4, 16, 64])
-@pytest.mark.parametrize("fused", ["plain", "norm+gate"])
-def test_gpu_int4_as_nibble_halves_in_a_cuda_graph(m, fused):
-    _check_llama_shape_in_a_cuda_graph(REAL[0], m, fused, HALVES)
-
-
-def _check_llama_shape_in_a_cuda_graph(layout, m, fused, tuning=DEFAULTS):
     gated = fused == "norm+gate"
     n, k = (14336, 4096) if gated else (4096, 14336)
     w = _weight(*layout, 2 * n if gated else n, k, torch.bfloat16)
@@ -234,7 +205,7 @@ def _check_llama_shape_in_a_cuda_graph(layout, m, fused, tuning=DEFAULTS):
     g = torch.randn(k, device="cuda", dtype=torch.bfloat16) if gated else None
     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     graph = capture_cuda_graph(lambda: small_m_linear(
-        x, w, out, norm_eps=1e-5 if gated else None, norm_weight=g, gated=gated, tuning=tuning))
+        x, w, out, norm_eps=1e-5 if gated else None, norm_weight=g, gated=gated))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
@@ -271,8 +242,7 @@ for kind, x_type in ((0, "*bf16"), (0, "*fp16"), (0, "*fp32"), (2, "*bf16")):
                       SWAP_AB=False, PDL=True, FIXUP=False, W_DESC=False, QKIND=kind,
                       QROWS=1 << 30, QCOLS=128 if kind == 0 else 1 << 30, QOFFSETS=False,
                       QZERO=8388616.0 if kind == 0 else 0.0, QBASE_BITS=0, ON_GPU=True,
-                      QDTYPE=tl.float32, QNG=block_k // 128 if kind == 0 else 1,
-                      QHALVES=False)
+                      QDTYPE=tl.float32, QNG=block_k // 128 if kind == 0 else 1)
         sig, attrs = {}, {}
         for i, name in enumerate(fn.arg_names):
             if name in consts:
@@ -303,7 +273,6 @@ for kind, x_type in ((0, "*bf16"), (0, "*fp16"), (0, "*fp32"), (2, "*bf16")):
                                    capture_output=True, text=True, check=True).stdout
         stack = int(re.search(r"STACK:(\d+)", usage).group(1))
         print(f"kind {kind} {x_type} norm={norm} gated={gated}: stack {stack}")
-
 print("compiled")
 """
 

@@ -410,8 +410,6 @@ def _quant_args(weight: QuantizedWeight, x: torch.Tensor, common: dict,
         QROWS=rows if rows < n else 1 << 30, QCOLS=cols if cols < k else 1 << 30,
         QNG=block_k // cols if one_row and cols < k and block_k > cols else 1,
         QDTYPE=_TL_DTYPES[dtype],
-        QHALVES=(scheme.kind == "int4" and not one_row and block_k >= 32
-                 and tuning.quant.int4_nibble_halves),
     )
     cap = tuning.quant.m1_int4_norm_registers
     if one_row and scheme.kind == "int4" and common["NORM"] and not common["GATED"] and cap:

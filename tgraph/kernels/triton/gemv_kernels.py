@@ -11,13 +11,7 @@ import triton
 import triton.language as tl
 
 from tgraph.kernels.triton.gemv_int4_row import int4_row_step, load_words
-from tgraph.kernels.triton.gemv_quant_kernels import (
-    ROW_FOLD,
-    int4_mma_step,
-    k_step_q,
-    load_int4_tile,
-    load_q_tile,
-)
+from tgraph.kernels.triton.gemv_quant_kernels import ROW_FOLD, k_step_q, load_q_tile
 from tgraph.kernels.triton.gemv_tiles import load_x_tile, mac
 from tgraph.kernels.triton.pdl import pdl_wait
 
@@ -75,7 +69,6 @@ def small_m_linear_kernel(
     QKIND: tl.constexpr = -1, QROWS: tl.constexpr = 1, QCOLS: tl.constexpr = 1,
     QOFFSETS: tl.constexpr = False, QZERO: tl.constexpr = 0.0, QBASE_BITS: tl.constexpr = 0,
     ON_GPU: tl.constexpr = False, QDTYPE: tl.constexpr = tl.float32, QNG: tl.constexpr = 1,
-    QHALVES: tl.constexpr = False,
 ):
     """Output columns ``[pid_n * BLOCK_N, +BLOCK_N)`` of ``BLOCK_M`` rows over one K split.
 
@@ -93,9 +86,8 @@ def small_m_linear_kernel(
     scale block per ``(QROWS, QCOLS)`` weights; every K tile lies in one block (the launch sees
     to it), except that a one-row (``BLOCK_M == 1``) tile spans ``QNG`` whole blocks.
     Tensor cores multiply the codes (``QDTYPE``) and fold the scales once per tile; one row runs the
-    dequantized tile on CUDA cores (:mod:`tgraph.kernels.triton.quant_tiles`). ``QHALVES``:
-    int4 codes reach the tensor cores as even- and odd-column halves (two MMAs of half the K).
-    ``ON_GPU`` (not the interpreter): fp8 codes convert in hardware and int4 words unpack by PTX.
+    dequantized tile on CUDA cores (:mod:`tgraph.kernels.triton.quant_tiles`). ``ON_GPU`` (not
+    the interpreter): fp8 codes convert in hardware and int4 words unpack by PTX.
     ``FIXUP`` (with ``WRITE_PARTIAL``): the split that finishes last for its output tile sums the
     tile's partials (and, with ``NORM``, the splits' sums of squares) and writes ``out`` (see
     :func:`_fixup_tile`).
@@ -150,22 +142,6 @@ def small_m_linear_kernel(
                 next_words, next_u = load_words(w_rows, u_rows, k0 + BLOCK_K, k_end, mask_n,
                                                  BLOCK_K, GATED)
             words, words_u = next_words, next_u
-    elif QHALVES:  # int4 on tensor cores, even and odd columns as two K halves
-        lo, hi, lo_u, hi_u, s, b, s_u, b_u = load_int4_tile(
-            w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k_start, k_end, stride_qs,
-            BLOCK_K, GATED, QROWS, QCOLS, QOFFSETS, QBASE_BITS, QDTYPE)
-        pdl_wait(PDL)
-        acc, acc_u, sq = int4_mma_step(acc, acc_u, sq, lo, hi, lo_u, hi_u, s, b, s_u, b_u,
-                                       x_rows, g_ptr, k_start, k_end, mask_m, BLOCK_M, BLOCK_K,
-                                       NORM, HAS_G, GATED, F32_DOT, SWAP_AB, QZERO, QOFFSETS)
-        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
-            lo, hi, lo_u, hi_u, s, b, s_u, b_u = load_int4_tile(
-                w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0, k_end, stride_qs,
-                BLOCK_K, GATED, QROWS, QCOLS, QOFFSETS, QBASE_BITS, QDTYPE)
-            acc, acc_u, sq = int4_mma_step(acc, acc_u, sq, lo, hi, lo_u, hi_u, s, b, s_u, b_u,
-                                           x_rows, g_ptr, k0, k_end, mask_m, BLOCK_M, BLOCK_K,
-                                           NORM, HAS_G, GATED, F32_DOT, SWAP_AB, QZERO,
-                                           QOFFSETS)
     elif QKIND >= 0:
         v, v_u, s, b, s_u, b_u, offs_k, mask_k = load_q_tile(
             w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k_start, k_end, stride_qs,

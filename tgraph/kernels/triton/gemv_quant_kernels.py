@@ -16,12 +16,11 @@ from tgraph.kernels.triton.quant_tiles import (
     dequantize_groups,
     fold_part,
     load_codes,
-    load_nibbles,
     load_scale_tile,
     load_scales,
 )
 
-__all__ = ["ROW_FOLD", "int4_mma_step", "k_step_q", "load_int4_tile", "load_q_tile"]
+__all__ = ["ROW_FOLD", "k_step_q", "load_q_tile"]
 
 
 @triton.jit
@@ -88,56 +87,3 @@ def k_step_q(acc, acc_u, sq, v, v_u, s, b, s_u, b_u, x_rows, g_ptr, offs_k, mask
             acc_u = fold_part(acc_u, mac(tl.zeros_like(acc_u), v_u, xd, BLOCK_M, F32_DOT,
                                           SWAP_AB), s_u, b_u, sx, QZERO, QOFFSETS, SWAP_AB)
     return acc, acc_u, sq
-
-
-@triton.jit
-def load_int4_tile(w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0, k_end,
-                   stride_qs, BLOCK_K: tl.constexpr, GATED: tl.constexpr, QROWS: tl.constexpr,
-                   QCOLS: tl.constexpr, QOFFSETS: tl.constexpr, QBASE_BITS: tl.constexpr,
-                   QDTYPE: tl.constexpr):
-    """An int4 weight's tile at ``k0`` for the tensor cores: its codes as even- and
-    odd-column halves (:func:`~tgraph.kernels.triton.quant_tiles.load_nibbles`) and the rows'
-    scales (and offsets); the "up" rows' too when ``GATED`` (else the same again)."""
-    lo, hi = load_nibbles(w_rows, k0, k_end, mask_n, BLOCK_K, QBASE_BITS, QDTYPE)
-    s, b = load_scales(qs_ptr, qb_ptr, offs_n, mask_n, k0, stride_qs, QROWS, QCOLS, QOFFSETS)
-    if GATED:
-        lo_u, hi_u = load_nibbles(u_rows, k0, k_end, mask_n, BLOCK_K, QBASE_BITS, QDTYPE)
-        s_u, b_u = load_scales(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, stride_qs, QROWS,
-                               QCOLS, QOFFSETS)
-    else:
-        lo_u, hi_u, s_u, b_u = lo, hi, s, b
-    return lo, hi, lo_u, hi_u, s, b, s_u, b_u
-
-
-@triton.jit
-def _halves_product(lo, hi, xe, xo, BLOCK_M: tl.constexpr, F32_DOT: tl.constexpr,
-                    SWAP_AB: tl.constexpr, ACC_SHAPE: tl.constexpr):
-    """The products of a tile held as even- and odd-column halves: two MMAs of half the K."""
-    part = mac(tl.zeros(ACC_SHAPE, tl.float32), lo, xe, BLOCK_M, F32_DOT, SWAP_AB)
-    return mac(part, hi, xo, BLOCK_M, F32_DOT, SWAP_AB)
-
-
-@triton.jit
-def int4_mma_step(acc, acc_u, sq, lo, hi, lo_u, hi_u, s, b, s_u, b_u, x_rows, g_ptr, k0, k_end,
-                  mask_m, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                  HAS_G: tl.constexpr, GATED: tl.constexpr, F32_DOT: tl.constexpr,
-                  SWAP_AB: tl.constexpr, QZERO: tl.constexpr, QOFFSETS: tl.constexpr):
-    """One K tile of several rows on int4 codes held as halves (:func:`load_int4_tile`): the
-    activations' even and odd columns against them, folded with the tile's scales."""
-    offs_e = k0 + 2 * tl.arange(0, BLOCK_K // 2)
-    mask_e = offs_e < k_end  # k_end is even: an odd column is in when its even one is
-    xe, part_e = load_x_tile(x_rows, g_ptr, offs_e, mask_m, mask_e, BLOCK_M, NORM, HAS_G)
-    xo, part_o = load_x_tile(x_rows, g_ptr, offs_e + 1, mask_m, mask_e, BLOCK_M, NORM, HAS_G)
-    sq += part_e + part_o
-    xe = xe.to(lo.dtype)
-    xo = xo.to(lo.dtype)
-    # The row sums of exactly the values the products see (x rounded to the MMA's dtype).
-    sx = tl.sum(xe.to(tl.float32), axis=1) + tl.sum(xo.to(tl.float32), axis=1)
-    acc = fold_part(acc, _halves_product(lo, hi, xe, xo, BLOCK_M, F32_DOT, SWAP_AB, acc.shape),
-                    s, b, sx, QZERO, QOFFSETS, SWAP_AB)
-    if GATED:
-        acc_u = fold_part(acc_u, _halves_product(lo_u, hi_u, xe, xo, BLOCK_M, F32_DOT, SWAP_AB,
-                                                 acc.shape), s_u, b_u, sx, QZERO, QOFFSETS,
-                          SWAP_AB)
-    return acc, acc_u, sq
-

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 __all__ = ["KIND_FP8", "KIND_INT4", "KIND_INT8", "code_base", "code_zero", "dequantize_groups",
-           "dequantize_tile", "fold_part", "fp8_e4m3_value", "load_codes", "load_nibbles",
-           "load_scale_tile", "load_scales"]
+           "dequantize_tile", "fold_part", "fp8_e4m3_value", "load_codes", "load_scale_tile",
+           "load_scales"]
 
 KIND_INT4: tl.constexpr = tl.constexpr(0)
 KIND_INT8: tl.constexpr = tl.constexpr(1)
@@ -69,32 +69,6 @@ def fp8_e4m3_value(bits):
 
 
 @triton.jit
-def _nibble_values(codes, BASE_BITS: tl.constexpr, DTYPE: tl.constexpr):
-    """int4 ``codes`` (one per uint8) as ``v = BASE + q`` in ``DTYPE`` (module docstring)."""
-    if BASE_BITS > 0xFFFF:  # fp32: 0x4B000000 | q is 2**23 + q
-        v = (codes.to(tl.int32) | BASE_BITS).to(tl.float32, bitcast=True)
-    elif BASE_BITS != 0:
-        v = (codes.to(tl.int16) | BASE_BITS).to(DTYPE, bitcast=True)
-    else:
-        v = codes.to(DTYPE)
-    return v
-
-
-@triton.jit
-def load_nibbles(q_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, BASE_BITS: tl.constexpr,
-                 DTYPE: tl.constexpr):
-    """The int4 tile at logical column ``k0`` as two ``[BLOCK_N, BLOCK_K / 2]`` halves, ``v`` of
-    the even columns (low nibbles) and of the odd ones (high nibbles), each made elementwise from
-    the loaded bytes: nothing reorders the tile, so a tensor-core product can read the bytes
-    straight into its operand registers. Columns from ``k_end`` and masked rows read as code 0."""
-    offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)
-    byte = tl.load(q_rows + offs_b[None, :],
-                   mask=mask_n[:, None] & (offs_b < k_end // 2)[None, :], other=0)
-    return _nibble_values(byte & 0xF, BASE_BITS, DTYPE), _nibble_values(byte >> 4, BASE_BITS,
-                                                                         DTYPE)
-
-
-@triton.jit
 def load_codes(q_rows, k0, k_end, mask_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                KIND: tl.constexpr, BASE_BITS: tl.constexpr, NATIVE_FP8: tl.constexpr,
                DTYPE: tl.constexpr):
@@ -109,8 +83,13 @@ def load_codes(q_rows, k0, k_end, mask_n, BLOCK_N: tl.constexpr, BLOCK_K: tl.con
         byte = tl.load(q_rows + offs_b[None, :],
                        mask=mask_n[:, None] & (offs_b < k_end // 2)[None, :], other=0)
         # Even columns in the low nibble: join + reshape interleaves them back in order.
-        v = _nibble_values(tl.reshape(tl.join(byte & 0xF, byte >> 4), [BLOCK_N, BLOCK_K]),
-                           BASE_BITS, DTYPE)
+        codes = tl.reshape(tl.join(byte & 0xF, byte >> 4), [BLOCK_N, BLOCK_K])
+        if BASE_BITS > 0xFFFF:  # fp32: 0x4B000000 | q is 2**23 + q
+            v = (codes.to(tl.int32) | BASE_BITS).to(tl.float32, bitcast=True)
+        elif BASE_BITS != 0:
+            v = (codes.to(tl.int16) | BASE_BITS).to(DTYPE, bitcast=True)
+        else:
+            v = codes.to(DTYPE)
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = mask_n[:, None] & (offs_k < k_end)[None, :]
