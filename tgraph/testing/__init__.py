@@ -271,7 +271,6 @@ class PagedBatcher:
                          lm_head_indices=list(range(len(ids))) if all_logits else None,
                          is_prefill=is_prefill)
 
-
     def decode_fed(self, model: Any, seqs: Sequence[int], fed: Sequence[Sequence[int]],
                    loras: list[str | None] | None = None) -> list[torch.Tensor]:
         """Decode steps that feed given tokens instead of each step's argmax (so two runs that

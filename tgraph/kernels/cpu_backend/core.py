@@ -67,10 +67,14 @@ def _native_lib(tuning: Tuning | None) -> NativeLibrary | None:
     return library() if (tuning or _DEFAULT_TUNING).cpu.native_kernels else None
 
 
+def _prefill_sized(rows: int, n: int, tuning: Tuning | None) -> bool:
+    """Whether ``[rows, n]`` fp32 rows outgrow the held scratch (a prefill's, not a decode's)."""
+    return rows * n * 4 > (tuning or _DEFAULT_TUNING).cpu.held_scratch_kb * 1024
+
+
 def _threads_for(rows: int, n: int, tuning: Tuning | None) -> int:
     """torch's threads for a pointwise kernel over a prefill's rows, one thread for fewer."""
-    held = (tuning or _DEFAULT_TUNING).cpu.held_scratch_kb * 1024
-    return torch.get_num_threads() if rows * n * 4 > held else 1
+    return torch.get_num_threads() if _prefill_sized(rows, n, tuning) else 1
 
 
 def _bind_native_rms(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
@@ -94,8 +98,7 @@ def _bind_rms(out2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
     if native is not None:
         return native
     rows, n = x2.shape
-    cpu = (tuning or _DEFAULT_TUNING).cpu
-    if rows * n * 4 > cpu.held_scratch_kb * 1024:  # a prefill: the one call, no held scratch
+    if _prefill_sized(rows, n, tuning):  # the one call, no held scratch
         shape = (n,)
         return lambda: out2.copy_(torch.rms_norm(x2, shape, weight, eps))
     inv = torch.empty(rows, 1, dtype=F32)
@@ -253,11 +256,9 @@ def _reads_codes(lib: NativeLibrary, w: Any, tuning: Tuning | None) -> bool:
         w, F32, cpu.bf16_quant_activations, cpu.int8_group_kernel) == "dense"
 
 
-def _dense_weight(w: Any, transpose_b: bool, tuning: Tuning | None) -> torch.Tensor | None:
+def _dense_weight(w: Any, tuning: Tuning | None) -> torch.Tensor | None:
     """``w`` as the fp32 ``[N, K]`` tensor a linear multiplies by (a quantized weight's cached
     dense copy when its CPU kernel is that copy), or ``None``."""
-    if not transpose_b:
-        return None
     if is_quantized(w):
         cpu = (tuning or _DEFAULT_TUNING).cpu
         packed = packed_linear(w, F32, cpu.bf16_quant_activations, cpu.int8_group_kernel)
@@ -278,9 +279,9 @@ def _bind_native_linear(out2: torch.Tensor, x2: torch.Tensor, w: Any, bias: torc
     if _reads_codes(lib, w, tuning):  # at any row count: the dense copy is never made
         return lib.bind_linear_q(out2, x2, w, bias, residual2, torch.get_num_threads(),
                                  prefetch)
-    if x2.shape[0] > (tuning or _DEFAULT_TUNING).cpu.native_max_rows:
+    if _native_for(tuning, x2.shape[0]) is None:
         return None
-    dense = _dense_weight(w, transpose_b, tuning)
+    dense = _dense_weight(w, tuning)
     if dense is None:
         return None
     return lib.bind_linear(out2, x2, dense, bias, residual2, torch.get_num_threads(), prefetch)
@@ -375,8 +376,7 @@ def bind_norm_linear(outs: Outs, x, norm_weight, w, bias=None, *, tuning: Tuning
         return reference_thunk("norm_linear", outs, x, norm_weight, w, bias, eps=eps, act=act)
     lib = _native_for(tuning, x2.shape[0]) if act in (None, "swiglu") else None
     # a quantized weight whose codes the native linear reads: its norm, then that linear
-    dense = None if lib is None or _reads_codes(lib, w, tuning) else _dense_weight(w, True,
-                                                                                    tuning)
+    dense = None if lib is None or _reads_codes(lib, w, tuning) else _dense_weight(w, tuning)
     if dense is not None:
         out = outs[0]
         native = lib.bind_norm_linear(out.view(-1, out.shape[-1]), x2, norm_weight, eps, dense,

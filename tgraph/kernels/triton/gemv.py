@@ -312,16 +312,23 @@ def _quant_block_m(M: int, weight: QuantizedWeight, tuning: GemvTuning) -> int:
     return 1 if one_row else _block_m(M, quantized=True)
 
 
+def _int4_register_cap(norm: bool, gated: bool, tuning: GemvTuning) -> int:
+    """Registers per thread of a one-row int4 launch (0: the compiler's choice): a fused norm
+    without the gate is capped, its registers costing a q|k|v grid a second wave."""
+    return tuning.quant.m1_int4_norm_registers if norm and not gated else 0
+
+
 def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
-                  tuning: GemvTuning, capped: bool = False) -> tuple[int, int, int, int, int]:
+                  tuning: GemvTuning, norm: bool = False,
+                  gated: bool = False) -> tuple[int, int, int, int, int]:
     """The launch on a quantized weight: ``GemvTuning.quant``'s tiles, K split until the grid
-    has ``programs_per_sm`` programs per SM (one row: its own tiles, no split). ``capped``: a
-    fused norm without the gate, whose int4 registers are capped (``m1_int4_norm_registers``)."""
+    has ``programs_per_sm`` programs per SM (one row: its own tiles, no split)."""
     q = tuning.quant
     if _quant_block_m(M, weight, tuning) == 1:
         kind = weight.scheme.kind
         block_n = {"int8": q.m1_int8_block_n, "fp8": q.m1_fp8_block_n}.get(kind, q.m1_block_n)
-        int4_k = q.m1_block_k if capped and q.m1_int4_norm_registers else q.m1_int4_block_k
+        # under the register cap the wide int4 tile spills
+        int4_k = q.m1_block_k if _int4_register_cap(norm, gated, tuning) else q.m1_int4_block_k
         block_k = {"int4": int4_k, "fp8": q.m1_fp8_block_k}.get(kind, q.m1_block_k)
         return (block_n, _one_row_block_k(weight, block_k), 1, q.m1_num_warps,
                 q.m1_num_stages)
@@ -411,9 +418,9 @@ def _quant_args(weight: QuantizedWeight, x: torch.Tensor, common: dict,
         QNG=block_k // cols if one_row and cols < k and block_k > cols else 1,
         QDTYPE=_TL_DTYPES[dtype],
     )
-    cap = tuning.quant.m1_int4_norm_registers
-    if one_row and scheme.kind == "int4" and common["NORM"] and not common["GATED"] and cap:
-        common["maxnreg"] = cap  # the fused norm's registers cost a q|k|v grid a second wave
+    cap = _int4_register_cap(common["NORM"], common["GATED"], tuning)
+    if one_row and scheme.kind == "int4" and cap:
+        common["maxnreg"] = cap
     offsets = weight.offset if weight.offset is not None else weight.scale
     return codes, weight.scale, offsets, weight.scale.stride(0)
 
@@ -512,8 +519,8 @@ def small_m_linear(
         return out
 
     if config is None and quantized:
-        config = _quant_config(M, N, weight, device, tuning,
-                               capped=norm_eps is not None and not gated)
+        config = _quant_config(M, N, weight, device, tuning, norm=norm_eps is not None,
+                               gated=gated)
     elif config is None:  # the heuristic, or an override of the tuning (checked the same way)
         config = choose_config(M, N, K, device, gated=gated, norm=norm_eps is not None,
                                itemsize=x.element_size(), tuning=tuning)

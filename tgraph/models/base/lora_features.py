@@ -97,7 +97,6 @@ from tgraph.quant import is_quantized
 __all__ = ["MultiLoraDecorator", "SingleLoraDecorator", "shard_adapter"]
 
 
-
 class _LoraFeature(FeatureDecorator):
     """What both LoRA features share: settings, targets, the shared weight storage and their
     stage of the target linears' recorded GEMM."""

@@ -96,6 +96,20 @@ def _quant_ok(w: QuantizedWeight) -> bool:
                for t in (w.scale, w.offset))
 
 
+def _linear_io_ok(out2: torch.Tensor, x2: torch.Tensor, w_shape: tuple[int, int],
+                  bias: torch.Tensor | None, res2: torch.Tensor | None) -> bool:
+    """The activations, output, bias and residual a linear's kernels take for a ``w_shape``
+    weight: fp32 rows, ``out2`` apart from ``x2`` and ``bias``, ``res2`` apart or ``out2``."""
+    if not (_rows_ok(out2) and _rows_ok(x2) and _vector_ok(bias, w_shape[0])):
+        return False
+    (m, k), (n, wk) = x2.shape, w_shape
+    if m == 0 or wk != k or tuple(out2.shape) != (m, n) or memory_overlaps(out2, x2) \
+            or (bias is not None and memory_overlaps(out2, bias)):
+        return False
+    return res2 is None or (_rows_ok(res2) and tuple(res2.shape) == (m, n)
+                            and _same_or_apart(out2, res2))
+
+
 def _int32_ok(t: torch.Tensor, rows: int) -> bool:
     return t.dtype == torch.int32 and t.device.type == "cpu" and t.shape[0] == rows \
         and t.stride(-1) == 1
@@ -146,16 +160,10 @@ class NativeLibrary:
         contiguous), ``out2`` and ``res2`` ``[M, N]``; ``res2`` may be ``out2`` itself. Each
         weight row is prefetched ``prefetch_bytes`` ahead of its loads
         (``CpuTuning.native_prefetch_bytes``)."""
-        if not (_rows_ok(out2) and _rows_ok(x2) and _weight_ok(w) and _vector_ok(bias, w.shape[0])):
+        if not (_weight_ok(w) and _linear_io_ok(out2, x2, tuple(w.shape), bias, res2)) \
+                or memory_overlaps(out2, w):
             return None
         (m, k), n = x2.shape, w.shape[0]
-        if m == 0 or w.shape[1] != k or tuple(out2.shape) != (m, n) \
-                or memory_overlaps(out2, x2) or memory_overlaps(out2, w) \
-                or (bias is not None and memory_overlaps(out2, bias)):
-            return None
-        if res2 is not None and not (_rows_ok(res2) and tuple(res2.shape) == (m, n)
-                                     and _same_or_apart(out2, res2)):
-            return None
         args = (x2.data_ptr(), x2.stride(0), m, k, w.data_ptr(), w.stride(0), n, _ptr(bias),
                 _ptr(res2), 0 if res2 is None else res2.stride(0), out2.data_ptr(),
                 out2.stride(0), prefetch_bytes // 4, threads)
@@ -174,16 +182,10 @@ class NativeLibrary:
         stored columns in order, K a multiple of 16. Each weight is dequantized as it is read,
         as :meth:`QuantizedWeight.dequantize` computes it, so the result has the bits of
         :meth:`bind_linear` on the dequantized weight."""
-        if not (isinstance(w, QuantizedWeight) and _quant_ok(w) and _rows_ok(out2)
-                and _rows_ok(x2) and _vector_ok(bias, w.shape[0])):
+        if not (isinstance(w, QuantizedWeight) and _quant_ok(w)
+                and _linear_io_ok(out2, x2, w.shape, bias, res2)):
             return None
-        (m, k), (n, wk) = x2.shape, w.shape
-        if m == 0 or wk != k or tuple(out2.shape) != (m, n) or memory_overlaps(out2, x2) \
-                or (bias is not None and memory_overlaps(out2, bias)):
-            return None
-        if res2 is not None and not (_rows_ok(res2) and tuple(res2.shape) == (m, n)
-                                     and _same_or_apart(out2, res2)):
-            return None
+        (m, k), n = x2.shape, w.shape[0]
         group = min(w.scheme.block[1], k)
         args = (x2.data_ptr(), x2.stride(0), m, k, w.qdata.data_ptr(), w.qdata.stride(0),
                 w.scheme.bits, w.scale.data_ptr(), _ptr(w.offset), group, n, _ptr(bias),
