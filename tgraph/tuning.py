@@ -91,6 +91,17 @@ class QuantGemvTuning(_Section):
     num_stages: int = knob(4, "software-pipeline depth of the code loads")
     programs_per_sm: int = knob(4, "split K until the grid has this many programs per SM (the "
                                    "whole-step sweep's best at 16 and 64 rows for every scheme)")
+    words: bool = knob(True, "2-64 rows of int4 / fp8 codes: MMAs on code pairs made from "
+                             "int32 words in registers (False: the code tile converted whole and "
+                             "laid out through shared memory)")
+    words_block_n: int = knob(128, "2-32 rows on int4 words: weight rows per program (the "
+                                   "cold per-layer sweep's best; fp8 has its own)")
+    words_fp8_block_n: int = knob(64, "2-32 rows on fp8 words: weight rows per program")
+    words_block_n_m64: int = knob(64, "33-64 rows on words: weight rows per program (128 made "
+                                      "int4 and fp8 layers slower than the byte tiles)")
+    words_block_k: int = knob(128, "2-64 rows on words: K per step, capped at the scale group")
+    words_num_warps: int = knob(4, "2-64 rows on words: warps per program")
+    words_num_stages: int = knob(3, "2-64 rows on words: pipeline depth")
     m1_fma: bool = knob(True, "one row runs on CUDA cores (the tile dequantized in registers), "
                               "as the bf16 GEMV of one row does, not padded to 16 for MMA")
     m1_block_n: int = knob(8, "one row of int4 codes: weight rows per program")

@@ -159,6 +159,54 @@ def test_one_row_int4_on_bf16_activations_sums_words_in_bf16_pairs(offsets, grou
     assert float(((model - exact).abs() / ulp).max()) > 2.5
 
 
+WORD_LAYOUTS = [("int4", 128, False, None), ("int4", 64, True, None), ("int4", None, False, None),
+                ("fp8", None, False, None), ("fp8", None, False, (32, 64))]
+
+
+@pytest.mark.parametrize("kind, group, offsets, block", WORD_LAYOUTS)
+@pytest.mark.parametrize("m", [2, 16, 33])
+def test_many_rows_take_int32_words_and_match_the_byte_tiles(monkeypatch, kind, group, offsets,
+                                                             block, m):
+    """2-64 rows of int4 (groups of 64 or more) and fp8 codes run the MMAs on code pairs made
+    from int32 words (``QuantGemvTuning.words``); they keep the byte tiles' bound, and the
+    launcher does take them (a fallback to the byte tiles would pass the bound silently)."""
+    from tgraph.kernels.triton import gemv
+
+    taken = []
+    real = gemv._words_mma
+    monkeypatch.setattr(gemv, "_words_mma", lambda *a, **k: taken.append(real(*a, **k)) or
+                        taken[-1])
+    n, k = 80, 256
+    w = _weight(kind, group, offsets, block, 2 * n, k, torch.bfloat16, seed=7)
+    x = torch.randn(m, k, device=DEV).to(torch.bfloat16)
+    g = torch.randn(k, device=DEV).to(torch.bfloat16)
+    want, mag = _reference(x, w, g, gated=True)
+    for words in (True, False):
+        taken.clear()
+        out = torch.full((m, n), float("nan"), device=DEV, dtype=torch.bfloat16)
+        small_m_linear(x, w, out, norm_eps=1e-5, norm_weight=g, gated=True, split_k=2,
+                       tuning=GemvTuning(quant=QuantGemvTuning(words=words)))
+        assert taken[-1] is words
+        _check(out, want, mag, torch.bfloat16)
+
+
+def test_fp8_words_scale_bf16_activations_into_fp16_exactly():
+    """fp8 codes multiply in fp16; bf16 activations far outside fp16's range (1e8, 1e-9) enter
+    it scaled per row by a power of two, so nothing overflows or flushes: the output keeps the
+    bf16 bound row by row."""
+    w = _weight("fp8", None, False, None, 96, 512, torch.bfloat16, seed=8)
+    x = torch.randn(4, 512, device=DEV)
+    x[0] *= 1e8
+    x[1] *= 1e-9
+    x[2, :256] *= 1e6  # one row spanning 2**40 between its halves
+    x = x.to(torch.bfloat16)
+    out = torch.empty(4, 96, device=DEV, dtype=torch.bfloat16)
+    small_m_linear(x, w, out)
+    want, mag = _reference(x, w)
+    assert out.float().isfinite().all()
+    _check(out, want, mag, torch.bfloat16)
+
+
 def test_one_row_on_tensor_cores_matches_too():
     """``m1_fma=False`` pads one row to 16 for the MMA path: same results within the bound."""
     w = _weight("int4", 32, True, None, 70, 192, torch.bfloat16)
@@ -225,13 +273,47 @@ from triton.compiler import ASTSource
 
 from tgraph.kernels.triton.gemv_kernels import small_m_linear_kernel as fn
 
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+DIV16 = {"N", "K", "k_per_split", "gate_rows", "stride_xm", "stride_wn", "stride_rm",
+         "stride_om", "stride_qs"}
+
+
+def stack_of(consts, w_type, x_type, stages, cap):
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+            continue
+        if name == "w_ptr":
+            sig[name] = w_type
+        elif name in ("qs_ptr", "qb_ptr", "ws_ptr"):
+            sig[name] = "*fp32"
+        elif name == "count_ptr":
+            sig[name] = "*i32"
+        elif name == "x_ptr":
+            sig[name] = x_type
+        elif name.endswith("_ptr") or name == "w_desc":
+            sig[name] = "*bf16"
+        else:
+            sig[name] = "fp32" if name == "eps" else "i32"
+        if sig[name].startswith("*") or name in DIV16:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "num_stages": stages, "maxnreg": cap})
+    # Spilled registers show as stack in the resource usage (e.g. a K tile the cap can't hold).
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "k.cubin")
+        with open(cubin, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cubin],
+                               capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"STACK:(\d+)", usage).group(1))
+
+
 # One row as the launcher specialises Llama-3-8B's linears: int4 g128 words (bf16's packed
 # PTX word sums, fp16's one-FMA form, fp32's exact form), fp8 channel codes (4 x 2048 tiles,
 # folded in runs of 16 columns); plain with the residual, the fused norm (its register cap),
 # gated with the norm.
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-DIV16 = {"N", "K", "k_per_split", "gate_rows", "stride_xm", "stride_wn", "stride_rm",
-         "stride_om", "stride_qs"}
 for kind, x_type in ((0, "*bf16"), (0, "*fp16"), (0, "*fp32"), (2, "*bf16")):
     for norm, gated, res, cap in ((False, False, True, None), (True, False, False, 80),
                                   (True, True, False, None)):
@@ -242,50 +324,46 @@ for kind, x_type in ((0, "*bf16"), (0, "*fp16"), (0, "*fp32"), (2, "*bf16")):
                       SWAP_AB=False, PDL=True, FIXUP=False, W_DESC=False, QKIND=kind,
                       QROWS=1 << 30, QCOLS=128 if kind == 0 else 1 << 30, QOFFSETS=False,
                       QZERO=8388616.0 if kind == 0 else 0.0, QBASE_BITS=0, ON_GPU=True,
-                      QDTYPE=tl.float32, QNG=block_k // 128 if kind == 0 else 1)
-        sig, attrs = {}, {}
-        for i, name in enumerate(fn.arg_names):
-            if name in consts:
-                sig[name] = "constexpr"
-                continue
-            if name == "w_ptr":
-                sig[name] = "*i32" if kind == 0 else "*fp8e4nv"
-            elif name in ("qs_ptr", "qb_ptr"):
-                sig[name] = "*fp32"
-            elif name == "x_ptr":
-                sig[name] = x_type
-            elif name.endswith("_ptr") or name == "w_desc":
-                sig[name] = "*bf16"
-            else:
-                sig[name] = "fp32" if name == "eps" else "i32"
-            if sig[name].startswith("*") or name in DIV16:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        kernel = triton.compile(ASTSource(fn, sig, consts, attrs),
-                                target=GPUTarget("cuda", 90, 32),
-                                options={"num_warps": 4, "num_stages": 3,
-                                         "maxnreg": cap if kind == 0 else None})
-        # Spilled registers show as stack in the resource usage (e.g. a K tile the cap can't hold).
-        with tempfile.TemporaryDirectory() as tmp:
-            cubin = os.path.join(tmp, "k.cubin")
-            with open(cubin, "wb") as f:
-                f.write(kernel.asm["cubin"])
-            usage = subprocess.run([os.path.join(BIN, "cuobjdump"), "--dump-resource-usage", cubin],
-                                   capture_output=True, text=True, check=True).stdout
-        stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-        print(f"kind {kind} {x_type} norm={norm} gated={gated}: stack {stack}")
+                      QDTYPE=tl.float32, QNG=block_k // 128 if kind == 0 else 1, QWORDS=False)
+        stack = stack_of(consts, "*i32" if kind == 0 else "*fp8e4nv", x_type, 3,
+                         cap if kind == 0 else None)
+        print(f"one row, kind {kind} {x_type} norm={norm} gated={gated}: stack {stack}")
+
+# 16 and 64 rows on int32 words (QuantGemvTuning's words tiles): int4 g128 pairs under the
+# bf16 / fp16 magic, fp8 pairs converted to fp16 (bf16 activations scaled into it); plain,
+# and gated with the norm and the split-K fixup.
+for kind, x_type, block_n, block_m in ((0, "*bf16", 128, 16), (0, "*fp16", 128, 16),
+                                       (2, "*bf16", 64, 16), (2, "*fp16", 64, 16),
+                                       (0, "*bf16", 64, 64), (2, "*bf16", 64, 64)):
+    for gated in (False, True):
+        magic = (0x4300 if x_type == "*bf16" else 0x6400) if kind == 0 else 0
+        consts = dict(HAS_BIAS=False, HAS_RES=not gated, WRITE_PARTIAL=True, NORM=gated,
+                      HAS_G=gated, GATED=gated, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128,
+                      F32_DOT=False, SWAP_AB=True, PDL=True, FIXUP=True, W_DESC=False,
+                      QKIND=kind, QROWS=1 << 30, QCOLS=128 if kind == 0 else 1 << 30,
+                      QOFFSETS=False, QZERO={0x4300: 136.0, 0x6400: 1032.0}.get(magic, 0.0),
+                      QBASE_BITS=magic, ON_GPU=True, QNG=1, QWORDS=True,
+                      QDTYPE=tl.bfloat16 if magic == 0x4300 else tl.float16)
+        stack = stack_of(consts, "*i32", x_type, 3, None)
+        print(f"words, kind {kind} {x_type} {block_m} rows gated={gated}: stack {stack}")
 print("compiled")
 """
 
 
 @pytest.mark.slow
-def test_one_row_kernels_compile_for_sm90_without_a_gpu():
+def test_quantized_kernels_compile_for_sm90_without_a_gpu():
     # The interpreter runs the integer-op unpack, not the PTX one; compiling for an H100 target
-    # with the bundled ptxas checks the GPU's form on a CPU-only machine, and that no
-    # register spills.
+    # with the bundled ptxas checks the GPU's form (one row, and the words of 2-64 rows) on a
+    # CPU-only machine, and that no register spills.
     from tests.helpers import run_without_interpreter
 
     done = run_without_interpreter(_COMPILE_SCRIPT)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-4000:]
-    spills = [line for line in done.stdout.splitlines() if "stack" in line and
-              not line.endswith("stack 0")]
-    assert not spills, spills
+    stacks = {line.rsplit(": stack ", 1)[0]: int(line.rsplit(" ", 1)[1])
+              for line in done.stdout.splitlines() if ": stack " in line}
+    # NOTE: the gated 64-row words tiles spill a little (48-136 bytes with Triton 3.6-3.9; the
+    # byte tiles they replace, 152-208): measured faster per layer than every tile that does not
+    # (8 warps, 64-wide K: 1.17-1.7x slower), so they are allowed that much.
+    allowed = {name: 160 if "64 rows gated=True" in name else 0 for name in stacks}
+    over = {name: size for name, size in stacks.items() if size > allowed[name]}
+    assert len(stacks) == 24 and not over, over

@@ -42,11 +42,13 @@ every M of the bucket):
   TMA (``GemvTuning.tma_weights``).
 
 Quantized weights (a :class:`~tgraph.quant.QuantizedWeight` as ``weight``): the same kernel with
-the same fusions, on tensor cores for every M (1 is padded to 16), reading only the packed codes
-and the fp32 scales. The products run on the codes themselves (an int4 code becomes a bf16
+the same fusions, reading only the packed codes and the fp32 scales; the settings are
+``GemvTuning.quant``. The products run on the codes themselves (an int4 code becomes a bf16
 ``128 + q`` by one OR of its bits) and each K tile folds its scales into the accumulator once
-(:mod:`tgraph.kernels.triton.quant_tiles`), so a K tile never straddles a scale group; the
-settings are ``GemvTuning.quant``.
+(:mod:`tgraph.kernels.triton.quant_tiles`), so a K tile never straddles a scale group. One row
+runs on CUDA cores (int4 as int32 words, :mod:`tgraph.kernels.triton.gemv_int4_row`); 2-64 rows
+on tensor cores, int4 and fp8 fed from int32 words by a few instructions per word
+(:mod:`tgraph.kernels.triton.gemv_words_mma`), int8 and narrow int4 groups from code tiles.
 
 Launch settings come from a :class:`~tgraph.tuning.GemvTuning` (the engine's; the defaults when a
 caller gives none).
@@ -312,6 +314,21 @@ def _quant_block_m(M: int, weight: QuantizedWeight, tuning: GemvTuning) -> int:
     return 1 if one_row else _block_m(M, quantized=True)
 
 
+def _words_mma(weight: QuantizedWeight, block_m: int, block_k: int, swapped: bool,
+               tuning: GemvTuning) -> bool:
+    """Whether 2-64 rows of int4 or fp8 codes take the MMAs on code pairs from int32 words
+    (:mod:`tgraph.kernels.triton.gemv_words_mma`): rows of whole aligned words, swapped operands
+    and K tiles that give every MMA (four a tile for int4, two for fp8) 16 columns or more."""
+    kind, q, k = weight.scheme.kind, weight.qdata, weight.shape[1]
+    if kind == "int4":
+        fits = block_k >= 64 and _int4_words_ok(weight)
+    elif kind == "fp8":
+        fits = block_k >= 32 and k % 4 == 0 and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0
+    else:
+        fits = False
+    return fits and block_m >= 16 and swapped and tuning.quant.words
+
+
 def _int4_register_cap(norm: bool, gated: bool, tuning: GemvTuning) -> int:
     """Registers per thread of a one-row int4 launch (0: the compiler's choice): a fused norm
     without the gate is capped, its registers costing a q|k|v grid a second wave."""
@@ -333,11 +350,16 @@ def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
         return (block_n, _one_row_block_k(weight, block_k), 1, q.m1_num_warps,
                 q.m1_num_stages)
     block_k = quant_block_k(weight, q.block_k)
-    block_n = q.block_n
+    block_n, warps, stages = q.block_n, q.num_warps, q.num_stages
+    words_n = q.words_block_n_m64 if M > 32 else \
+        q.words_fp8_block_n if weight.scheme.kind == "fp8" else q.words_block_n
+    words_k = quant_block_k(weight, q.words_block_k)
+    if _words_mma(weight, 16, words_k, words_n >= tuning.swap_min_block_n, tuning):
+        block_n, block_k, warps, stages = words_n, words_k, q.words_num_warps, q.words_num_stages
     n_blocks = triton.cdiv(N, block_n) * triton.cdiv(M, _block_m(M, quantized=True))
     want = triton.cdiv(q.programs_per_sm * sm_count(device), n_blocks)
     split_k = _even_split(triton.cdiv(weight.shape[1], block_k), want, tuning.max_split_k)
-    return block_n, block_k, split_k, q.num_warps, q.num_stages
+    return block_n, block_k, split_k, warps, stages
 
 
 def workspace_size(M: int, N: int, split_k: int, gated: bool = False, norm: bool = False) -> int:
@@ -405,8 +427,15 @@ def _quant_args(weight: QuantizedWeight, x: torch.Tensor, common: dict,
     if scheme.kind == "fp8" and not on_gpu:
         codes = codes.view(torch.uint8)  # decoded from its bits (see quant_tiles.fp8_e4m3_value)
     bits, base = code_base(scheme.kind, dtype, on_gpu)
+    words = _words_mma(weight, common["BLOCK_M"], common["BLOCK_K"], common["SWAP_AB"], tuning)
     if one_row and scheme.kind == "int4":  # int32 words; ZERO as for codes read as 2**23 + q
         codes, bits, base = codes.view(torch.int32), 0, 8388608.0
+    elif words:  # int32 words: int4 pairs under a 16-bit magic, fp8 pairs as fp16 (by PTX)
+        codes = codes.view(torch.int32)
+        if dtype == torch.float32:  # the codes' values, fp32 MMAs
+            bits, base = 0, 0.0
+        elif scheme.kind == "fp8":
+            dtype = torch.float16
     rows, cols = scheme.block
     n, k = weight.shape
     block_k = common["BLOCK_K"]
@@ -416,7 +445,7 @@ def _quant_args(weight: QuantizedWeight, x: torch.Tensor, common: dict,
         # One block spanning the dim: the same constexpr for every shape (fewer compiles).
         QROWS=rows if rows < n else 1 << 30, QCOLS=cols if cols < k else 1 << 30,
         QNG=block_k // cols if one_row and cols < k and block_k > cols else 1,
-        QDTYPE=_TL_DTYPES[dtype],
+        QDTYPE=_TL_DTYPES[dtype], QWORDS=words,
     )
     cap = _int4_register_cap(common["NORM"], common["GATED"], tuning)
     if one_row and scheme.kind == "int4" and cap:
@@ -558,6 +587,9 @@ def small_m_linear(
     if quantized:
         codes, scales, offsets, stride_qs = _quant_args(weight, x, common, tuning)
         desc = None
+        if common["QWORDS"]:  # words of 2-64 rows: TMA tiles as for dense weights
+            per_word = 8 if weight.scheme.kind == "int4" else 4
+            desc = weight_descriptor(codes, block_n, block_k // per_word, True, tuning)
     else:
         codes, scales, offsets, stride_qs = weight, dummy, dummy, 0
         desc = weight_descriptor(weight, block_n, block_k, common["SWAP_AB"], tuning)

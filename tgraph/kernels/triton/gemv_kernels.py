@@ -13,6 +13,7 @@ import triton.language as tl
 from tgraph.kernels.triton.gemv_int4_row import int4_row_step, load_words
 from tgraph.kernels.triton.gemv_quant_kernels import ROW_FOLD, k_step_q, load_q_tile
 from tgraph.kernels.triton.gemv_tiles import load_x_tile, mac
+from tgraph.kernels.triton.gemv_words_mma import load_word_tile, words_mma_step
 from tgraph.kernels.triton.pdl import pdl_wait
 
 
@@ -69,6 +70,7 @@ def small_m_linear_kernel(
     QKIND: tl.constexpr = -1, QROWS: tl.constexpr = 1, QCOLS: tl.constexpr = 1,
     QOFFSETS: tl.constexpr = False, QZERO: tl.constexpr = 0.0, QBASE_BITS: tl.constexpr = 0,
     ON_GPU: tl.constexpr = False, QDTYPE: tl.constexpr = tl.float32, QNG: tl.constexpr = 1,
+    QWORDS: tl.constexpr = False,
 ):
     """Output columns ``[pid_n * BLOCK_N, +BLOCK_N)`` of ``BLOCK_M`` rows over one K split.
 
@@ -81,7 +83,8 @@ def small_m_linear_kernel(
     ``W_DESC``: weight tiles are read by TMA through the tensor descriptor ``w_desc`` (whose
     block is ``[BLOCK_N, BLOCK_K]``) instead of through pointers.
     ``QKIND >= 0``: ``w_ptr`` is a quantized weight's packed codes (``stride_wn`` elements per row;
-    int4 codes of one row are read as int32 words)
+    int4 codes of one row are read as int32 words, and int4 / fp8 codes of more rows with
+    ``QWORDS``: see :mod:`tgraph.kernels.triton.gemv_words_mma`)
     with fp32 scales at ``qs_ptr`` (and offsets at ``qb_ptr``), ``stride_qs`` per scale row, one
     scale block per ``(QROWS, QCOLS)`` weights; every K tile lies in one block (the launch sees
     to it), except that a one-row (``BLOCK_M == 1``) tile spans ``QNG`` whole blocks.
@@ -142,6 +145,26 @@ def small_m_linear_kernel(
                 next_words, next_u = load_words(w_rows, u_rows, k0 + BLOCK_K, k_end, mask_n,
                                                  BLOCK_K, GATED)
             words, words_u = next_words, next_u
+    elif QWORDS:  # int4 / fp8, 2-64 rows: MMAs on code pairs straight from int32 words
+        ASM: tl.constexpr = ON_GPU and not F32_DOT  # the pairs by PTX
+        words, words_u, s, b, s_u, b_u = load_word_tile(
+            w_rows, u_rows, w_desc, n0, u0, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k_start,
+            k_end, stride_qs, BLOCK_K, GATED, W_DESC, QKIND, QROWS, QCOLS, QOFFSETS)
+        pdl_wait(PDL)
+        offs_k = k_start + tl.arange(0, BLOCK_K)
+        acc, acc_u, sq = words_mma_step(acc, acc_u, sq, words, words_u, s, b, s_u, b_u, x_rows,
+                                        g_ptr, offs_k, mask_m, offs_k < k_end, BLOCK_M, BLOCK_K,
+                                        NORM, HAS_G, GATED, F32_DOT, QKIND, QZERO, QOFFSETS,
+                                        QBASE_BITS, QDTYPE, ASM)
+        for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
+            words, words_u, s, b, s_u, b_u = load_word_tile(
+                w_rows, u_rows, w_desc, n0, u0, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0,
+                k_end, stride_qs, BLOCK_K, GATED, W_DESC, QKIND, QROWS, QCOLS, QOFFSETS)
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            acc, acc_u, sq = words_mma_step(acc, acc_u, sq, words, words_u, s, b, s_u, b_u,
+                                            x_rows, g_ptr, offs_k, mask_m, offs_k < k_end,
+                                            BLOCK_M, BLOCK_K, NORM, HAS_G, GATED, F32_DOT,
+                                            QKIND, QZERO, QOFFSETS, QBASE_BITS, QDTYPE, ASM)
     elif QKIND >= 0:
         v, v_u, s, b, s_u, b_u, offs_k, mask_k = load_q_tile(
             w_rows, u_rows, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k_start, k_end, stride_qs,

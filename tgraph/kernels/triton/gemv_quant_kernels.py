@@ -1,7 +1,8 @@
 """Device code of the small-M linear on quantized weights (:mod:`tgraph.kernels.triton.gemv`):
 tiles of codes and scales, and the step that multiplies them (tensor cores folding the scales
 per tile, or one row on CUDA cores); one row of int4 codes has its own step, on int32 words
-(:mod:`tgraph.kernels.triton.gemv_int4_row`).
+(:mod:`tgraph.kernels.triton.gemv_int4_row`), and so do 2-64 rows of int4 and fp8 codes
+(:mod:`tgraph.kernels.triton.gemv_words_mma`).
 
 The main kernel, :func:`~tgraph.kernels.triton.gemv_kernels.small_m_linear_kernel`, calls these
 under its ``QKIND`` constexpr; the layouts are :mod:`tgraph.kernels.triton.quant_tiles`'.
