@@ -102,6 +102,11 @@ class QuantGemvTuning(_Section):
     words_block_k: int = knob(128, "2-64 rows on words: K per step, capped at the scale group")
     words_num_warps: int = knob(4, "2-64 rows on words: warps per program")
     words_num_stages: int = knob(3, "2-64 rows on words: pipeline depth")
+    m1_fp8_words: bool = knob(True, "one row of fp8 codes on 16-bit activations: fp16x2 "
+                                    "products on int32 words of codes (False: the fp32 loop "
+                                    "on one-byte codes)")
+    m1_fp8_words_block_n: int = knob(8, "one row of fp8 words: weight rows per program (the "
+                                        "cold per-layer sweep's best with 2048-wide K tiles)")
     m1_fma: bool = knob(True, "one row runs on CUDA cores (the tile dequantized in registers), "
                               "as the bf16 GEMV of one row does, not padded to 16 for MMA")
     m1_block_n: int = knob(8, "one row of int4 codes: weight rows per program")

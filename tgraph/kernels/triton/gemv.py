@@ -329,6 +329,16 @@ def _words_mma(weight: QuantizedWeight, block_m: int, block_k: int, swapped: boo
     return fits and block_m >= 16 and swapped and tuning.quant.words
 
 
+def _fp8_row_words(weight: QuantizedWeight, dtype: torch.dtype, tuning: GemvTuning) -> bool:
+    """Whether one row of fp8 codes takes the fp16x2 products on int32 words
+    (:mod:`tgraph.kernels.triton.gemv_fp8_row`): 16-bit activations, rows of whole aligned
+    units of eight codes."""
+    q, k = weight.qdata, weight.shape[1]
+    return (weight.scheme.kind == "fp8" and dtype in (torch.bfloat16, torch.float16)
+            and k % 8 == 0 and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0
+            and tuning.quant.m1_fp8_words)
+
+
 def _int4_register_cap(norm: bool, gated: bool, tuning: GemvTuning) -> int:
     """Registers per thread of a one-row int4 launch (0: the compiler's choice): a fused norm
     without the gate is capped, its registers costing a q|k|v grid a second wave."""
@@ -343,7 +353,9 @@ def _quant_config(M: int, N: int, weight: QuantizedWeight, device: torch.device,
     q = tuning.quant
     if _quant_block_m(M, weight, tuning) == 1:
         kind = weight.scheme.kind
-        block_n = {"int8": q.m1_int8_block_n, "fp8": q.m1_fp8_block_n}.get(kind, q.m1_block_n)
+        fp8_n = q.m1_fp8_words_block_n if _fp8_row_words(weight, weight.dtype, tuning) else \
+            q.m1_fp8_block_n
+        block_n = {"int8": q.m1_int8_block_n, "fp8": fp8_n}.get(kind, q.m1_block_n)
         # under the register cap the wide int4 tile spills
         int4_k = q.m1_block_k if _int4_register_cap(norm, gated, tuning) else q.m1_int4_block_k
         block_k = {"int4": int4_k, "fp8": q.m1_fp8_block_k}.get(kind, q.m1_block_k)
@@ -430,6 +442,8 @@ def _quant_args(weight: QuantizedWeight, x: torch.Tensor, common: dict,
     words = _words_mma(weight, common["BLOCK_M"], common["BLOCK_K"], common["SWAP_AB"], tuning)
     if one_row and scheme.kind == "int4":  # int32 words; ZERO as for codes read as 2**23 + q
         codes, bits, base = codes.view(torch.int32), 0, 8388608.0
+    elif one_row and _fp8_row_words(weight, x.dtype, tuning):  # int32 words of four codes
+        codes, words = codes.view(torch.int32), True
     elif words:  # int32 words: int4 pairs under a 16-bit magic, fp8 pairs as fp16 (by PTX)
         codes = codes.view(torch.int32)
         if dtype == torch.float32:  # the codes' values, fp32 MMAs

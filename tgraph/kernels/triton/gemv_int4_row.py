@@ -259,11 +259,12 @@ def _packed_row_step(acc, acc_u, words, words_u, x0, x1, x2, x3, x4, x5, x6, x7,
 
 
 @triton.jit
-def load_words(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, GATED: tl.constexpr):
-    """The int32 words of codes of the K tile at ``k0`` (and of the "up" rows); past ``k_end``
-    they read as zeros."""
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = mask_n[:, None] & (offs_w < k_end // 8)[None, :]
+def load_words(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K: tl.constexpr, GATED: tl.constexpr,
+               PER_WORD: tl.constexpr = 8):
+    """The int32 words of codes (``PER_WORD`` each: 8 int4, 4 fp8) of the K tile at ``k0`` (and
+    of the "up" rows); past ``k_end`` they read as zeros."""
+    offs_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
+    mask = mask_n[:, None] & (offs_w < k_end // PER_WORD)[None, :]
     words = tl.load(w_rows + offs_w[None, :], mask=mask, other=0)
     if GATED:
         words_u = tl.load(u_rows + offs_w[None, :], mask=mask, other=0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tgraph.kernels.triton.gemv_fp8_row import fp8_row_step
 from tgraph.kernels.triton.gemv_int4_row import int4_row_step, load_words
 from tgraph.kernels.triton.gemv_quant_kernels import ROW_FOLD, k_step_q, load_q_tile
 from tgraph.kernels.triton.gemv_tiles import load_x_tile, mac
@@ -83,8 +84,9 @@ def small_m_linear_kernel(
     ``W_DESC``: weight tiles are read by TMA through the tensor descriptor ``w_desc`` (whose
     block is ``[BLOCK_N, BLOCK_K]``) instead of through pointers.
     ``QKIND >= 0``: ``w_ptr`` is a quantized weight's packed codes (``stride_wn`` elements per row;
-    int4 codes of one row are read as int32 words, and int4 / fp8 codes of more rows with
-    ``QWORDS``: see :mod:`tgraph.kernels.triton.gemv_words_mma`)
+    int4 codes of one row are read as int32 words, and with ``QWORDS`` fp8 codes of one row
+    (:mod:`tgraph.kernels.triton.gemv_fp8_row`) and int4 / fp8 codes of more rows
+    (:mod:`tgraph.kernels.triton.gemv_words_mma`))
     with fp32 scales at ``qs_ptr`` (and offsets at ``qb_ptr``), ``stride_qs`` per scale row, one
     scale block per ``(QROWS, QCOLS)`` weights; every K tile lies in one block (the launch sees
     to it), except that a one-row (``BLOCK_M == 1``) tile spans ``QNG`` whole blocks.
@@ -111,7 +113,7 @@ def small_m_linear_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
 
-    if BLOCK_M == 1 and QKIND == 0:  # int4, one row: one column per int32 word of codes
+    if BLOCK_M == 1 and (QKIND == 0 or QWORDS):  # one row on words: a column per 8 codes
         acc = tl.zeros((BLOCK_N, BLOCK_K // 8), dtype=tl.float32)
     elif BLOCK_M == 1 and QKIND > 0:  # one-byte codes, one row: runs of ROW_FOLD columns
         acc = tl.zeros((BLOCK_N, BLOCK_K // ROW_FOLD), dtype=tl.float32)
@@ -128,22 +130,30 @@ def small_m_linear_kernel(
     # the PDL wait and stream while the previous kernel drains (see tgraph.kernels.triton.pdl).
     n0 = pid_n * BLOCK_N
     u0 = n0 + gate_rows
-    if QKIND == 0 and BLOCK_M == 1:
-        words, words_u = load_words(w_rows, u_rows, k_start, k_end, mask_n, BLOCK_K, GATED)
+    if BLOCK_M == 1 and (QKIND == 0 or QWORDS):  # one row on int32 words of int4 / fp8 codes
+        PER_WORD: tl.constexpr = 8 if QKIND == 0 else 4
+        words, words_u = load_words(w_rows, u_rows, k_start, k_end, mask_n, BLOCK_K, GATED,
+                                    PER_WORD)
         pdl_wait(PDL)
         for k0 in range(k_start, k_end, BLOCK_K):
             # A plain linear loads the next tile's words before this tile's math (two tiles in
             # flight); a gated one already has two and loses occupancy to a third and fourth.
             if not GATED:
                 next_words, next_u = load_words(w_rows, u_rows, k0 + BLOCK_K, k_end, mask_n,
-                                                 BLOCK_K, GATED)
-            acc, acc_u, sq = int4_row_step(
-                acc, acc_u, sq, words, words_u, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n, k0,
-                k_end, stride_qs, x_rows, g_ptr, BLOCK_N, BLOCK_K, GATED, NORM, HAS_G,
-                QROWS, QCOLS, QNG, QOFFSETS, QZERO, ON_GPU)
+                                                 BLOCK_K, GATED, PER_WORD)
+            if QKIND == 0:
+                acc, acc_u, sq = int4_row_step(
+                    acc, acc_u, sq, words, words_u, qs_ptr, qb_ptr, offs_n, gate_rows, mask_n,
+                    k0, k_end, stride_qs, x_rows, g_ptr, BLOCK_N, BLOCK_K, GATED, NORM, HAS_G,
+                    QROWS, QCOLS, QNG, QOFFSETS, QZERO, ON_GPU)
+            else:
+                acc, acc_u, sq = fp8_row_step(
+                    acc, acc_u, sq, words, words_u, qs_ptr, offs_n, gate_rows, mask_n, k0, k_end,
+                    stride_qs, x_rows, g_ptr, BLOCK_N, BLOCK_K, GATED, NORM, HAS_G, QROWS,
+                    QCOLS, QNG, ON_GPU)
             if GATED:
                 next_words, next_u = load_words(w_rows, u_rows, k0 + BLOCK_K, k_end, mask_n,
-                                                 BLOCK_K, GATED)
+                                                 BLOCK_K, GATED, PER_WORD)
             words, words_u = next_words, next_u
     elif QWORDS:  # int4 / fp8, 2-64 rows: MMAs on code pairs straight from int32 words
         ASM: tl.constexpr = ON_GPU and not F32_DOT  # the pairs by PTX

@@ -29,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tgraph.kernels.triton.gemv_int4_row import load_words
 from tgraph.kernels.triton.gemv_tiles import load_x_tile, mac
 from tgraph.kernels.triton.quant_tiles import KIND_INT4, fold_part, fp8_e4m3_value, load_scales
 
@@ -70,13 +71,7 @@ def load_word_tile(w_rows, u_rows, w_desc, n0, u0, qs_ptr, qb_ptr, offs_n, gate_
         else:
             words_u = words
     else:
-        offs_w = k0 // PER_WORD + tl.arange(0, BLOCK_K // PER_WORD)
-        mask = mask_n[:, None] & (offs_w < k_end // PER_WORD)[None, :]
-        words = tl.load(w_rows + offs_w[None, :], mask=mask, other=0)
-        if GATED:
-            words_u = tl.load(u_rows + offs_w[None, :], mask=mask, other=0)
-        else:
-            words_u = words
+        words, words_u = load_words(w_rows, u_rows, k0, k_end, mask_n, BLOCK_K, GATED, PER_WORD)
     s, b = load_scales(qs_ptr, qb_ptr, offs_n, mask_n, k0, stride_qs, QROWS, QCOLS, QOFFSETS)
     if GATED:
         s_u, b_u = load_scales(qs_ptr, qb_ptr, offs_n + gate_rows, mask_n, k0, stride_qs, QROWS,
