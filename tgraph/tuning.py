@@ -112,7 +112,8 @@ class QuantGemvTuning(_Section):
     m1_block_n: int = knob(8, "one row of int4 codes: weight rows per program")
     m1_int8_block_n: int = knob(4, "one row of int8 codes: weight rows per program (the "
                                    "whole-step sweep's best for int8)")
-    m1_fp8_block_n: int = knob(4, "one row of fp8 codes: weight rows per program (with its "
+    m1_fp8_block_n: int = knob(4, "one row of fp8 codes in the fp32 loop (fp32 activations, "
+                                  "or m1_fp8_words off): weight rows per program (with its "
                                   "2048-wide K tiles, the cold per-layer sweep's best)")
     m1_block_k: int = knob(1024, "one row of int8 codes, and of int4 codes under "
                                  "m1_int4_norm_registers: K per step, whole scale groups")

@@ -46,7 +46,8 @@ the same fusions, reading only the packed codes and the fp32 scales; the setting
 ``GemvTuning.quant``. The products run on the codes themselves (an int4 code becomes a bf16
 ``128 + q`` by one OR of its bits) and each K tile folds its scales into the accumulator once
 (:mod:`tgraph.kernels.triton.quant_tiles`), so a K tile never straddles a scale group. One row
-runs on CUDA cores (int4 as int32 words, :mod:`tgraph.kernels.triton.gemv_int4_row`); 2-64 rows
+runs on CUDA cores (int4 and, on 16-bit activations, fp8 as int32 words:
+:mod:`tgraph.kernels.triton.gemv_int4_row`, :mod:`tgraph.kernels.triton.gemv_fp8_row`); 2-64 rows
 on tensor cores, int4 and fp8 fed from int32 words by a few instructions per word
 (:mod:`tgraph.kernels.triton.gemv_words_mma`), int8 and narrow int4 groups from code tiles.
 

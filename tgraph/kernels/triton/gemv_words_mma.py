@@ -88,20 +88,28 @@ def _flat(pairs):
 
 
 @triton.jit
+def _asm_pairs(words, PTX: tl.constexpr, BF16: tl.constexpr):
+    """``[BLOCK_N, W]`` words -> ``[BLOCK_N, W, 2]`` bf16 (``BF16``) or fp16 pairs made by
+    ``PTX`` (``$1`` the word, ``$0`` the pair's register). pack=2: one instance makes both
+    halves of a register, its two inputs the same word, joined for the shape."""
+    if BF16:
+        pairs = tl.inline_asm_elementwise(PTX, "=r,r,r", [tl.join(words, words)],
+                                          dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        pairs = tl.inline_asm_elementwise(PTX, "=r,r,r", [tl.join(words, words)],
+                                          dtype=tl.float16, is_pure=True, pack=2)
+    return pairs
+
+
+@triton.jit
 def _int4_pairs(shifted, DTYPE: tl.constexpr, MAGIC: tl.constexpr, ASM: tl.constexpr):
     """``[BLOCK_N, W]`` words shifted right by ``4 i`` -> ``[BLOCK_N, 2 W]`` codes, nibbles ``i``
     and ``i + 4`` of word ``w`` at ``2 w`` and ``2 w + 1``: ``ASM``, one LOP3 per pair putting
     both under ``MAGIC`` (bf16 ``0x4300`` or fp16 ``0x6400``: ``magic + q``); else the codes'
     values ``q`` converted."""
     if ASM:
-        # pack=2: one instance makes both halves of a register (its two inputs are the same
-        # word, joined for the shape).
-        if MAGIC == 0x4300:
-            pairs = tl.inline_asm_elementwise(_INT4_BF16_ASM, "=r,r,r", [tl.join(shifted, shifted)],
-                                              dtype=tl.bfloat16, is_pure=True, pack=2)
-        else:
-            pairs = tl.inline_asm_elementwise(_INT4_FP16_ASM, "=r,r,r", [tl.join(shifted, shifted)],
-                                              dtype=tl.float16, is_pure=True, pack=2)
+        PTX: tl.constexpr = _INT4_BF16_ASM if MAGIC == 0x4300 else _INT4_FP16_ASM
+        pairs = _asm_pairs(shifted, PTX, MAGIC == 0x4300)
     else:
         pairs = tl.join(shifted & 0xF, (shifted >> 16) & 0xF).to(DTYPE)
     return _flat(pairs)
@@ -113,12 +121,8 @@ def _fp8_pairs(words, HALF: tl.constexpr, DTYPE: tl.constexpr, ASM: tl.constexpr
     ``HALF`` (columns ``2 HALF`` and ``2 HALF + 1`` of the word's four), exact fp16 by one
     conversion per pair (``ASM``), else their values."""
     if ASM:
-        if HALF == 0:
-            pairs = tl.inline_asm_elementwise(_FP8_LOW_ASM, "=r,r,r", [tl.join(words, words)],
-                                              dtype=tl.float16, is_pure=True, pack=2)
-        else:
-            pairs = tl.inline_asm_elementwise(_FP8_HIGH_ASM, "=r,r,r", [tl.join(words, words)],
-                                              dtype=tl.float16, is_pure=True, pack=2)
+        PTX: tl.constexpr = _FP8_LOW_ASM if HALF == 0 else _FP8_HIGH_ASM
+        pairs = _asm_pairs(words, PTX, False)
     else:
         low = fp8_e4m3_value((words >> (16 * HALF)) & 0xFF)
         high = fp8_e4m3_value((words >> (16 * HALF + 8)) & 0xFF)
