@@ -170,11 +170,11 @@ def test_many_rows_take_int32_words_and_match_the_byte_tiles(monkeypatch, kind, 
     """2-64 rows of int4 (groups of 64 or more) and fp8 codes run the MMAs on code pairs made
     from int32 words (``QuantGemvTuning.words``); they keep the byte tiles' bound, and the
     launcher does take them (a fallback to the byte tiles would pass the bound silently)."""
-    from tgraph.kernels.triton import gemv
+    from tgraph.kernels.triton import gemv_quant_launch as launch
 
     taken = []
-    real = gemv._words_mma
-    monkeypatch.setattr(gemv, "_words_mma", lambda *a, **k: taken.append(real(*a, **k)) or
+    real = launch._words_mma
+    monkeypatch.setattr(launch, "_words_mma", lambda *a, **k: taken.append(real(*a, **k)) or
                         taken[-1])
     n, k = 80, 256
     w = _weight(kind, group, offsets, block, 2 * n, k, torch.bfloat16, seed=7)
