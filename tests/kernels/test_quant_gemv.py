@@ -9,8 +9,10 @@ output to bf16. So each product may differ by 2**-8 of its size (the reference's
 rounding, 2**-9, plus the activations' rounding to bf16 under a fused norm) and the output by
 one ulp: ``2**-7 * (|x| @ |w|.T) + 2**-7 * |out|`` (as tests/kernels/test_quant_linear.py). One
 row of int4 codes on bf16 activations sums each word's products in bf16x2 chains of four, which
-round up to 4 * 2**-8 of ``|x| @ |s (q - 8)|.T`` more (:func:`centred_magnitude`). fp32 differs
-by summation order only (1e-5 relative).
+round up to 4 * 2**-8 of ``|x| @ |s (q - 8)|.T`` more (:func:`centred_magnitude`). One row of
+fp8 codes on 16-bit activations sums fp16 chains of four, within 4 * 2**-11 of ``|x| @ |w|.T``,
+inside the budget; 2-64 rows of fp8 codes multiply fp16 activations (bf16 ones scaled into
+fp16 exactly). fp32 differs by summation order only (1e-5 relative).
 """
 from __future__ import annotations
 
@@ -198,7 +200,7 @@ def test_fp8_words_scale_bf16_activations_into_fp16_exactly():
     x = torch.randn(4, 512, device=DEV)
     x[0] *= 1e8
     x[1] *= 1e-9
-    x[2, :256] *= 1e6  # one row spanning 2**40 between its halves
+    x[2, :256] *= 1e6  # one row spanning ~2**20 between its halves
     x = x.to(torch.bfloat16)
     out = torch.empty(4, 96, device=DEV, dtype=torch.bfloat16)
     small_m_linear(x, w, out)
