@@ -5,8 +5,8 @@ stored layout, with the weight on the MMA's M side.
 An MMA operand register holds two adjacent elements of K, so each word is turned into such
 registers by one or two instructions and a K tile becomes a few MMAs, each on one kind of pair
 of every word against the matching columns of the activations (split from their tile in
-registers). The codes never pass through shared memory after their load, and no instruction
-is spent per code on a conversion:
+registers). The codes go from the pipeline's shared-memory stage straight into the MMA's
+registers, with no second pass through shared memory, at one instruction a pair at most:
 
 - int4 (eight codes a word, nibble ``c`` holding column ``c``): one LOP3 of the word shifted
   right by ``4 i`` puts nibbles ``i`` and ``i + 4`` under a 16-bit float's exponent (bf16
