@@ -282,6 +282,9 @@ def test_what_it_does_not_take():
     with pytest.raises(ValueError, match=r"straddles the scale blocks .* use 32"):
         small_m_linear(torch.randn(2, 128, device=DEV), w, torch.empty(2, 64, device=DEV),
                        config=(64, 64, 1, 4, 2))
+    with pytest.raises(ValueError, match="powers of two"):  # a tile Triton cannot lay out
+        small_m_linear(torch.randn(2, 128, device=DEV), w, torch.empty(2, 64, device=DEV),
+                       tuning=GemvTuning(quant=QuantGemvTuning(block_n=96)))
     with pytest.raises(TypeError, match="must match x dtype"):
         small_m_linear(x.to(torch.bfloat16), w, out.to(torch.bfloat16))
 

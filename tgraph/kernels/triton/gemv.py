@@ -410,6 +410,10 @@ def small_m_linear(
         raise ValueError("small_m_linear: config must be a tuple of 5 positive ints (BLOCK_N, "
                          f"BLOCK_K, split_k, num_warps, num_stages), got {config!r}")
     block_n, block_k, auto_split, num_warps, num_stages = config
+    if any(v & (v - 1) for v in (block_n, block_k, num_warps)):
+        raise ValueError("small_m_linear: BLOCK_N, BLOCK_K and num_warps must be powers of two "
+                         f"(Triton tiles and warp groups), got {config!r} (a config argument "
+                         "or a GemvTuning setting)")
     if quantized:
         fits = one_row_block_k if quant_block_m(M, weight, tuning) == 1 else quant_block_k
         if block_k != fits(weight, block_k):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from tgraph.kernels.triton.gemv_int4_row import load_x_eights
 from tgraph.kernels.triton.quant_tiles import fp8_e4m3_value, load_scale_tile
 
 __all__ = ["fp8_row_step"]
@@ -101,15 +102,11 @@ def _unit_dot(w_lo, w_hi, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
 @triton.jit
 def _x_units(x_rows, g_ptr, offs_u, mask_u, U: tl.constexpr, NORM: tl.constexpr,
              HAS_G: tl.constexpr):
-    """The row's activations under ``U`` units of eight codes: one ``[U, 8]`` tile (times the
-    norm weight, with its sum of squares), each unit scaled by the power of two that puts its
-    largest magnitude into ``[16, 32)`` and split into its eight ``[1, U]`` columns; then the
-    units' inverse powers ``[1, U]`` and the sum of squares."""
-    cols = 8 * offs_u[:, None] + tl.arange(0, 8)[None, :]
-    xv = tl.load(x_rows + cols, mask=mask_u[:, None], other=0.0).to(tl.float32)
-    sq = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
-    if HAS_G:
-        xv = xv * tl.load(g_ptr + cols, mask=mask_u[:, None], other=0.0).to(tl.float32)
+    """The row's activations under ``U`` units of eight codes (:func:`load_x_eights`), each unit
+    scaled by the power of two that puts its largest magnitude into ``[16, 32)`` and split into
+    its eight ``[1, U]`` columns; then the units' inverse powers ``[1, U]`` and the sum of
+    squares."""
+    xv, sq = load_x_eights(x_rows, g_ptr, offs_u, mask_u, HAS_G)
     top = tl.max(tl.abs(xv), axis=1)
     # 2**e with e = 131 - biased exponent of top (an all-zero unit: e clamped, its x stay 0)
     e = tl.minimum(tl.maximum(131 - ((top.to(tl.int32, bitcast=True) >> 23) & 0xFF), -100), 100)

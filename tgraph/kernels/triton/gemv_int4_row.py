@@ -16,7 +16,7 @@ import triton.language as tl
 
 from tgraph.kernels.triton.quant_tiles import load_scale_tile
 
-__all__ = ["int4_row_step", "load_words"]
+__all__ = ["int4_row_step", "load_words", "load_x_eights"]
 
 
 def _unpack_word_ptx(magic: int, byte_at: int) -> str:
@@ -162,17 +162,26 @@ def _unpack_words(words, ASM: tl.constexpr, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _x_word_columns(x_rows, g_ptr, offs_w, mask_w, W: tl.constexpr, NORM: tl.constexpr,
-                    HAS_G: tl.constexpr):
-    """The activations of one row under ``W`` words of codes: loaded as one contiguous ``[W, 8]``
-    tile (times the norm weight, with its sum of squares) and split in registers into the eight
-    ``[1, W]`` columns in the order of :func:`_unpack_words` (0, 2, 4, 6, 1, 3, 5, 7); then the
-    sum of each word's eight (``[1, W]``, for the offsets) and the sum of squares."""
+def load_x_eights(x_rows, g_ptr, offs_w, mask_w, HAS_G: tl.constexpr):
+    """One row's activations under the groups of eight codes ``offs_w`` (int4 words, fp8 pairs
+    of words): one contiguous fp32 ``[W, 8]`` tile times the norm weight (``HAS_G``), and the
+    sum of squares of the activations themselves (for a fused norm)."""
     cols = 8 * offs_w[:, None] + tl.arange(0, 8)[None, :]
     xv = tl.load(x_rows + cols, mask=mask_w[:, None], other=0.0).to(tl.float32)
     sq = tl.sum(tl.sum(xv * xv, axis=1), axis=0)
     if HAS_G:
         xv = xv * tl.load(g_ptr + cols, mask=mask_w[:, None], other=0.0).to(tl.float32)
+    return xv, sq
+
+
+@triton.jit
+def _x_word_columns(x_rows, g_ptr, offs_w, mask_w, W: tl.constexpr, NORM: tl.constexpr,
+                    HAS_G: tl.constexpr):
+    """The activations of one row under ``W`` words of codes (:func:`load_x_eights`) split in
+    registers into the eight ``[1, W]`` columns in the order of :func:`_unpack_words` (0, 2, 4,
+    6, 1, 3, 5, 7); then the sum of each word's eight (``[1, W]``, for the offsets) and the sum
+    of squares."""
+    xv, sq = load_x_eights(x_rows, g_ptr, offs_w, mask_w, HAS_G)
     sx = tl.sum(xv, axis=1)
     even, odd = tl.split(tl.reshape(xv, [W, 4, 2]))  # columns 0 2 4 6 | 1 3 5 7
     e04, e26 = tl.split(tl.reshape(even, [W, 2, 2]))

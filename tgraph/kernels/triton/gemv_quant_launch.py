@@ -65,12 +65,17 @@ def one_row_block_k(weight: QuantizedWeight, want: int) -> int:
     return block_k if block_k >= 16 else 0
 
 
+def _rows_of_words(weight: QuantizedWeight, per_word: int) -> bool:
+    """Whether the codes' rows read as whole, aligned int32 words of ``per_word`` codes."""
+    q = weight.qdata
+    return weight.shape[1] % per_word == 0 and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0
+
+
 def _int4_words_ok(weight: QuantizedWeight) -> bool:
     """Whether an int4 weight's codes read as int32 words of eight, each inside one scale
     group (the one-row kernel's layout)."""
-    q, k, cols = weight.qdata, weight.shape[1], weight.scheme.block[1]
-    return k % 8 == 0 and (cols >= k or cols % 8 == 0) and q.data_ptr() % 4 == 0 \
-        and q.stride(0) % 4 == 0
+    k, cols = weight.shape[1], weight.scheme.block[1]
+    return _rows_of_words(weight, 8) and (cols >= k or cols % 8 == 0)
 
 
 def quant_block_m(M: int, weight: QuantizedWeight, tuning: GemvTuning) -> int:
@@ -85,11 +90,11 @@ def _words_mma(weight: QuantizedWeight, block_m: int, block_k: int, swapped: boo
     """Whether 2-64 rows of int4 or fp8 codes take the MMAs on code pairs from int32 words
     (:mod:`tgraph.kernels.triton.gemv_words_mma`): rows of whole aligned words, swapped operands
     and K tiles that give every MMA (four a tile for int4, two for fp8) 16 columns or more."""
-    kind, q, k = weight.scheme.kind, weight.qdata, weight.shape[1]
+    kind = weight.scheme.kind
     if kind == "int4":
         fits = block_k >= 64 and _int4_words_ok(weight)
     elif kind == "fp8":
-        fits = block_k >= 32 and k % 4 == 0 and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0
+        fits = block_k >= 32 and _rows_of_words(weight, 4)
     else:
         fits = False
     return fits and block_m >= 16 and swapped and tuning.quant.words
@@ -99,10 +104,8 @@ def _fp8_row_words(weight: QuantizedWeight, dtype: torch.dtype, tuning: GemvTuni
     """Whether one row of fp8 codes takes the fp16x2 products on int32 words
     (:mod:`tgraph.kernels.triton.gemv_fp8_row`): 16-bit activations, rows of whole aligned
     units of eight codes."""
-    q, k = weight.qdata, weight.shape[1]
     return (weight.scheme.kind == "fp8" and dtype in (torch.bfloat16, torch.float16)
-            and k % 8 == 0 and q.data_ptr() % 4 == 0 and q.stride(0) % 4 == 0
-            and tuning.quant.m1_fp8_words)
+            and _rows_of_words(weight, 8) and tuning.quant.m1_fp8_words)
 
 
 def _int4_register_cap(norm: bool, gated: bool, tuning: GemvTuning) -> int:
