@@ -60,17 +60,22 @@ def test_routing_matches_the_reference(renormalize):
     torch.testing.assert_close(weights, want_w, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("one_program", [False, True])
 @pytest.mark.parametrize("t, top_k, experts, block_m", [(1, 2, 6, 16), (37, 3, 10, 16),
                                                         (70, 4, 5, 32), (3, 8, 16, 16)])
-def test_sorting_groups_every_pair_once_in_blocks_of_one_expert(t, top_k, experts, block_m):
+def test_sorting_groups_every_pair_once_in_blocks_of_one_expert(t, top_k, experts, block_m,
+                                                                 one_program):
     _, logits, *_ = _case(t, 8, 8, experts, torch.float32, seed=t)
     _, ids = route_topk(logits, top_k, True)
-    blocks = sort_by_expert(ids, experts, block_m)
+    blocks = sort_by_expert(ids, experts, block_m,
+                            one_program_max_pairs=t * top_k if one_program else 0)
     flat = ids.reshape(-1).cpu()
     order, expert = blocks.order.cpu().long(), blocks.expert.cpu()
     pos, end = blocks.pos.cpu(), blocks.end.cpu()
     assert sorted(order.tolist()) == list(range(t * top_k))
     assert torch.equal(flat[order], torch.sort(flat).values)  # grouped by expert
+    if one_program:  # the sort keeps pair order inside an expert
+        assert torch.equal(order, torch.sort(flat, stable=True).indices)
     covered = []
     for b in range(blocks.num_blocks):
         if expert[b] == experts:
@@ -98,7 +103,7 @@ def test_grouped_matches_the_reference(dtype, t, top_k, renormalize):
     x, logits, w13, w2 = _case(t, 64, 48, 6, dtype, seed=t)
     out = torch.full((t, 64), float("nan"), device=DEV, dtype=dtype)
     moe_grouped(x, logits, w13, w2, out, top_k, renormalize, block_m=32, block_n=32,
-                block_k=32)
+                block_k=32, one_program_max_pairs=64)  # 23 x 3 pairs: atomics, the rest sorted
     _check(out, x, logits, w13.float(), w2.float(), top_k, renormalize, dtype)
 
 

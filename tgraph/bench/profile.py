@@ -6,6 +6,8 @@ Prints the device time of the captured step alone (graph replays), the time of t
 of the call, and the CPU and CUDA profiles. ``--ncu`` runs one captured decode step between
 ``cudaProfilerStart`` and ``cudaProfilerStop`` and nothing else, for Nsight Compute's
 ``--profile-from-start off`` (see :mod:`tgraph.bench.ncu_table` for the command and a summary).
+``--quant int4|int8|fp8`` profiles the preset with its decoder linears quantized as
+``tgraph bench models --quant`` holds them.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import argparse
 import torch
 
 from tgraph.bench.models import captured_decode, prefill_batch, random_model, random_weights
+from tgraph.bench.quant import QUANT_SCHEMES, SCHEME_TUNING, quantize_linears, quantized_model
 from tgraph.bench.timeline import print_timeline, profile_step
 from tgraph.bench.timing import host_ms, time_ms
 from tgraph.models.presets import preset
@@ -31,10 +34,20 @@ def main() -> None:
                         help="run one decode step inside cudaProfilerStart/Stop for ncu, no timing")
     parser.add_argument("--prefill", metavar="NxL",
                         help="profile a prefill of N prompts of L tokens instead of a decode step")
+    parser.add_argument("--quant", choices=sorted(QUANT_SCHEMES),
+                        help="the decoder layers' linears quantized to this scheme (as "
+                             "`tgraph bench models --quant` holds them)")
     args = parser.parse_args()
     hf_config = preset(args.preset)
-    model = random_model(hf_config, random_weights(hf_config, torch.bfloat16, "cuda"),
-                         max_model_len=4096)
+    weights = random_weights(hf_config, torch.bfloat16, "cuda")
+    if args.quant:
+        quantized = quantize_linears(weights, args.quant)
+        extra = {"tuning": SCHEME_TUNING[args.quant]} if args.quant in SCHEME_TUNING else {}
+        model = quantized_model(hf_config, weights, quantized, max_model_len=4096, **extra)
+        del quantized
+    else:
+        model = random_model(hf_config, weights, max_model_len=4096)
+    del weights
     if args.prefill:
         profile_prefill(model, args.preset, args.prefill, args.trace)
         return
@@ -51,7 +64,8 @@ def main() -> None:
         for g in graphs:
             g.replay()
 
-    print(f"{args.preset} batch {b}: {len(graphs)} graph(s), {engine.stats.kernel_count} kernels, "
+    name = args.preset + (f" {args.quant}" if args.quant else "")
+    print(f"{name} batch {b}: {len(graphs)} graph(s), {engine.stats.kernel_count} kernels, "
           f"{len(engine.segments)} segments")
     print(f"  graph replay only: {time_ms(replay, iters=100):.3f} ms")
     print(f"  model.run (inputs + replay + logits): {time_ms(lambda: model.run(meta)):.3f} ms")

@@ -121,28 +121,31 @@ def moe_grouped(x: torch.Tensor, router_logits: torch.Tensor,
                 w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
                 out: torch.Tensor, top_k: int, renormalize: bool, *, block_m: int = 64,
                 block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                num_stages: int = 3) -> torch.Tensor:
+                num_stages: int = 3, one_program_max_pairs: int = 0) -> torch.Tensor:
     """``out = moe(x, router_logits, w13, w2)`` as a grouped GEMM (operands as
     :func:`~tgraph.kernels.triton.moe.moe_decode` takes them).
 
     Args:
         block_m: the largest block of pairs (:func:`grouped_block_m` picks the launch's).
         block_n, block_k, num_warps, num_stages: the GEMM tiles and pipeline.
+        one_program_max_pairs: up to this many (token, expert) pairs one launch groups them
+            (:func:`~tgraph.kernels.triton.moe_routing.sort_by_expert`).
     """
     check_moe_operands("moe_grouped", x, router_logits, w13, w2, out, top_k)
     if x.shape[0] == 0:
         return out
     shares = moe_grouped_shares(x, router_logits, w13, w2, top_k, renormalize, block_m=block_m,
                                 block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                num_stages=num_stages)
+                                num_stages=num_stages,
+                                one_program_max_pairs=one_program_max_pairs)
     return combine_pairs(shares, out, top_k)
 
 
 def moe_grouped_shares(x: torch.Tensor, router_logits: torch.Tensor,
                        w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
                        top_k: int, renormalize: bool, *, block_m: int = 64, block_n: int = 64,
-                       block_k: int = 64, num_warps: int = 4, num_stages: int = 3
-                       ) -> torch.Tensor:
+                       block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
+                       one_program_max_pairs: int = 0) -> torch.Tensor:
     """The experts of :func:`moe_grouped` without the combine: fp32 ``[T * top_k, H]`` weighted
     shares, laid out as :func:`~tgraph.kernels.triton.moe.moe_decode_shares` lays them out."""
     t, h, e, inter = check_moe_operands("moe_grouped_shares", x, router_logits, w13, w2, None,
@@ -150,7 +153,8 @@ def moe_grouped_shares(x: torch.Tensor, router_logits: torch.Tensor,
     if t == 0:
         return torch.empty(0, h, dtype=torch.float32, device=x.device)
     weights, ids = route_topk(router_logits, top_k, renormalize)
-    blocks = sort_by_expert(ids, e, grouped_block_m(t * top_k, e, block_m))
+    blocks = sort_by_expert(ids, e, grouped_block_m(t * top_k, e, block_m),
+                            one_program_max_pairs)
     g = expert_weight(w13, e * 2 * inter, block_k)
     d = expert_weight(w2, e * h, block_k)
     hidden = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)

@@ -1,11 +1,10 @@
-"""Routing for the expert kernels, each one launch with no host synchronisation (capturable).
+"""Routing for the expert kernels, with no host synchronisation (capturable).
 
 - :func:`route_topk`: every token's top-k experts by the softmax of its router logits (fp32),
   renormalised on request, as :func:`tgraph.ir.ops.moe.route` computes them (ties go to the
   lower expert index).
-- :func:`sort_by_expert`: the (token, choice) pairs grouped by expert (in no fixed order inside
-  an expert) and cut into blocks of ``block_m`` pairs of one expert each, what a grouped GEMM
-  walks: block ``b`` holds the pairs
+- :func:`sort_by_expert`: the (token, choice) pairs grouped by expert and cut into blocks of
+  ``block_m`` pairs of one expert each, what a grouped GEMM walks: block ``b`` holds the pairs
   ``order[pos[b] : min(pos[b] + block_m, end[b])]`` of expert ``expert[b]`` (``expert[b] ==
   E``: an unused block; the launch sizes the grid for the most blocks any routing can need).
 """
@@ -83,15 +82,13 @@ def _count_kernel(ids_ptr, counts_ptr, rank_ptr, N, BLOCK: tl.constexpr, PDL: tl
 
 
 @triton.jit
-def _blocks_kernel(counts_ptr, seg_start_ptr, blk_expert_ptr, blk_pos_ptr, blk_end_ptr, E,
-                   MAX_BLOCKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
-                   E_PAD: tl.constexpr):
-    experts = tl.arange(0, E_PAD)
-    live = experts < E
-    counts = tl.load(counts_ptr + experts, mask=live, other=0)
+def _lay_out_blocks(counts, experts, live, blk_expert_ptr, blk_pos_ptr, blk_end_ptr, MAX_BLOCKS,
+                    BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):
+    """Cut each expert's ``counts`` places into blocks of ``BLOCK_M``; store every block's
+    expert (``E`` past the last used one), first place and its expert's end; return the
+    experts' first places."""
     seg_end = tl.cumsum(counts, axis=0)
     seg_start = seg_end - counts
-    tl.store(seg_start_ptr + experts, seg_start, mask=live)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     blk_last = tl.cumsum(blocks, axis=0)
     blk_first = blk_last - blocks
@@ -107,6 +104,35 @@ def _blocks_kernel(counts_ptr, seg_start_ptr, blk_expert_ptr, blk_pos_ptr, blk_e
         tl.store(blk_expert_ptr + bs, owner, mask=keep)
         tl.store(blk_pos_ptr + bs, start + (bs - first) * BLOCK_M, mask=keep)
         tl.store(blk_end_ptr + bs, end, mask=keep)
+    return seg_start
+
+
+@triton.jit
+def _blocks_kernel(counts_ptr, seg_start_ptr, blk_expert_ptr, blk_pos_ptr, blk_end_ptr, E,
+                   MAX_BLOCKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                   E_PAD: tl.constexpr):
+    experts = tl.arange(0, E_PAD)
+    live = experts < E
+    counts = tl.load(counts_ptr + experts, mask=live, other=0)
+    seg_start = _lay_out_blocks(counts, experts, live, blk_expert_ptr, blk_pos_ptr, blk_end_ptr,
+                                MAX_BLOCKS, BLOCK_M, CHUNK)
+    tl.store(seg_start_ptr + experts, seg_start, mask=live)
+
+
+@triton.jit
+def _group_kernel(ids_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_end_ptr, N, E,
+                  MAX_BLOCKS, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, N_PAD: tl.constexpr,
+                  E_PAD: tl.constexpr, PDL: tl.constexpr):
+    offs = tl.arange(0, N_PAD)
+    valid = offs < N
+    pdl_wait(PDL)
+    ids = tl.load(ids_ptr + offs, mask=valid, other=0)
+    # Sorting (expert, pair) keys groups the pairs by expert in pair order; padding sorts last.
+    key = tl.sort(tl.where(valid, ids, E_PAD) * N_PAD + offs)
+    tl.store(order_ptr + offs, key % N_PAD, mask=valid)
+    experts = tl.arange(0, E_PAD)
+    _lay_out_blocks(tl.histogram(ids, E_PAD, mask=valid), experts, experts < E, blk_expert_ptr,
+                    blk_pos_ptr, blk_end_ptr, MAX_BLOCKS, BLOCK_M, CHUNK)
 
 
 @triton.jit
@@ -144,23 +170,35 @@ def max_blocks(pairs: int, experts: int, block_m: int) -> int:
     return triton.cdiv(pairs, block_m) + min(experts, pairs)
 
 
-def sort_by_expert(ids: torch.Tensor, experts: int, block_m: int) -> ExpertBlocks:
-    """Group the pairs of ``ids`` (int32 ``[T, top_k]``) by expert, in blocks of ``block_m``:
-    count and rank the pairs (atomics), lay the blocks out (one program), scatter the pairs."""
+def sort_by_expert(ids: torch.Tensor, experts: int, block_m: int,
+                   one_program_max_pairs: int = 0) -> ExpertBlocks:
+    """Group the pairs of ``ids`` (int32 ``[T, top_k]``) by expert, in blocks of ``block_m``.
+
+    Up to ``one_program_max_pairs`` pairs one program sorts them (in pair order inside an
+    expert) and lays the blocks out, one launch; more are counted and ranked with atomics (in
+    no fixed order inside an expert), laid out by one program and scattered: four launches.
+    """
     flat = ids.reshape(-1)
     n = flat.shape[0]
     nb = max_blocks(n, experts, block_m)
     dev = ids.device
-    counts = torch.zeros(experts, dtype=torch.int32, device=dev)
-    rank = torch.empty(n, dtype=torch.int32, device=dev)
-    seg_start = torch.empty(experts, dtype=torch.int32, device=dev)
     blocks = ExpertBlocks(torch.empty(n, dtype=torch.int32, device=dev),
                           *(torch.empty(nb, dtype=torch.int32, device=dev) for _ in range(3)),
                           block_m=block_m)
+    walk = (blocks.order, blocks.expert, blocks.pos, blocks.end)
+    e_pad = triton.next_power_of_2(experts)
+    if n <= one_program_max_pairs:
+        n_pad = max(16, triton.next_power_of_2(n))
+        _group_kernel[(1,)](flat, *walk, n, experts, nb, BLOCK_M=block_m, CHUNK=64,
+                            N_PAD=n_pad, E_PAD=e_pad, num_warps=4 if n_pad <= 1024 else 8,
+                            **pdl_kwargs(ids))
+        return blocks
+    counts = torch.zeros(experts, dtype=torch.int32, device=dev)
+    rank = torch.empty(n, dtype=torch.int32, device=dev)
+    seg_start = torch.empty(experts, dtype=torch.int32, device=dev)
     grid = (triton.cdiv(n, 256),)
     _count_kernel[grid](flat, counts, rank, n, BLOCK=256, num_warps=4, **pdl_kwargs(ids))
-    _blocks_kernel[(1,)](counts, seg_start, blocks.expert, blocks.pos, blocks.end, experts, nb,
-                         BLOCK_M=block_m, CHUNK=64, E_PAD=triton.next_power_of_2(experts),
-                         num_warps=4)
+    _blocks_kernel[(1,)](counts, seg_start, *walk[1:], experts, nb, BLOCK_M=block_m, CHUNK=64,
+                         E_PAD=e_pad, num_warps=4)
     _scatter_kernel[grid](flat, rank, seg_start, blocks.order, n, BLOCK=256, num_warps=4)
     return blocks
