@@ -270,6 +270,8 @@ class MoeTuning(_Section):
     grouped_block_k: int = knob(64, "grouped GEMM: K per step")
     grouped_num_warps: int = knob(4, "grouped GEMM: warps per program")
     grouped_num_stages: int = knob(3, "grouped GEMM: software pipeline stages")
+    grouped_tma_weights: bool = knob(False, "grouped GEMM: 16-bit experts' weight tiles read by "
+                                            "TMA on Hopper (pointer loads otherwise)")
     group_one_program_max_pairs: int = knob(
         1024, "grouped GEMM: up to this many (token, expert) pairs one program sorts them by "
               "expert (one launch); more are counted with atomics (four launches)")

@@ -21,9 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
+from tgraph.kernels.triton.gemv import weight_descriptor
 from tgraph.kernels.triton.moe import check_moe_operands, combine_pairs, tl_dtype
 from tgraph.kernels.triton.moe_routing import route_topk, sort_by_expert
-from tgraph.kernels.triton.moe_tiles import expert_tile, expert_weight
+from tgraph.kernels.triton.moe_tiles import ExpertWeight, expert_tile, expert_weight
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 from tgraph.quant import QuantizedWeight
 
@@ -40,12 +41,12 @@ def _block_pairs(order_ptr, blk_pos_ptr, blk_end_ptr, blk, BLOCK_M: tl.constexpr
 
 @triton.jit
 def _grouped_gate_up_kernel(x_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_end_ptr,
-                            w_ptr, s_ptr, b_ptr, h_ptr, H, INTER, E, TOP_K,
+                            w_ptr, w_desc, s_ptr, b_ptr, h_ptr, H, INTER, E, TOP_K,
                             stride_xt, stride_w, stride_s, stride_hp,
                             QUANT: tl.constexpr, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr,
                             ZERO: tl.constexpr, OFFSETS: tl.constexpr, QROWS: tl.constexpr,
                             QCOLS: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr,
-                         PRECISION: tl.constexpr,
+                            PRECISION: tl.constexpr, W_DESC: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                             PDL: tl.constexpr):
     blk = tl.program_id(0)
@@ -63,12 +64,18 @@ def _grouped_gate_up_kernel(x_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_e
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :],
                         mask=valid[:, None] & (offs_k < H)[None, :], other=0.0).to(DOT)
-            wg = expert_tile(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w, stride_s,
-                             QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS, BLOCK_N,
-                             BLOCK_K, DTYPE).to(DOT)
-            wu = expert_tile(w_ptr, s_ptr, b_ptr, gate_rows + INTER, mask_n, k0, H, stride_w,
-                             stride_s, QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
-                             BLOCK_N, BLOCK_K, DTYPE).to(DOT)
+            if W_DESC:  # rows past the gate half read up rows: columns never stored
+                wg = w_desc.load([expert * (2 * INTER) + tl.program_id(1) * BLOCK_N, k0])
+                wu = w_desc.load([expert * (2 * INTER) + tl.program_id(1) * BLOCK_N + INTER,
+                                  k0])
+                wg, wu = wg.to(DOT), wu.to(DOT)
+            else:
+                wg = expert_tile(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w,
+                                 stride_s, QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
+                                 BLOCK_N, BLOCK_K, DTYPE).to(DOT)
+                wu = expert_tile(w_ptr, s_ptr, b_ptr, gate_rows + INTER, mask_n, k0, H,
+                                 stride_w, stride_s, QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS,
+                                 QROWS, QCOLS, BLOCK_N, BLOCK_K, DTYPE).to(DOT)
             acc_g = tl.dot(a, tl.trans(wg), acc_g, input_precision=PRECISION)
             acc_u = tl.dot(a, tl.trans(wu), acc_u, input_precision=PRECISION)
         h = acc_g * tl.sigmoid(acc_g) * acc_u
@@ -78,12 +85,12 @@ def _grouped_gate_up_kernel(x_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_e
 
 @triton.jit
 def _grouped_down_kernel(h_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_end_ptr, p_ptr,
-                         w_ptr, s_ptr, b_ptr, y_ptr, H, INTER, E,
+                         w_ptr, w_desc, s_ptr, b_ptr, y_ptr, H, INTER, E,
                          stride_hp, stride_w, stride_s, stride_yp,
                          QUANT: tl.constexpr, KIND: tl.constexpr, NATIVE_FP8: tl.constexpr,
                          ZERO: tl.constexpr, OFFSETS: tl.constexpr, QROWS: tl.constexpr,
                          QCOLS: tl.constexpr, DTYPE: tl.constexpr, DOT: tl.constexpr,
-                         PRECISION: tl.constexpr,
+                         PRECISION: tl.constexpr, W_DESC: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          PDL: tl.constexpr):
     blk = tl.program_id(0)
@@ -99,13 +106,23 @@ def _grouped_down_kernel(h_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_end_
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + pair[:, None] * stride_hp + offs_k[None, :],
                         mask=valid[:, None] & (offs_k < INTER)[None, :], other=0.0).to(DOT)
-            w = expert_tile(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, INTER, stride_w, stride_s,
-                            QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS, BLOCK_N,
-                            BLOCK_K, DTYPE).to(DOT)
+            if W_DESC:  # rows past H read the next expert's: columns never stored
+                w = w_desc.load([expert * H + tl.program_id(1) * BLOCK_N, k0]).to(DOT)
+            else:
+                w = expert_tile(w_ptr, s_ptr, b_ptr, rows, mask_n, k0, INTER, stride_w,
+                                stride_s, QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
+                                BLOCK_N, BLOCK_K, DTYPE).to(DOT)
             acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         share = tl.load(p_ptr + pair, mask=valid, other=0.0)
         tl.store(y_ptr + pair[:, None] * stride_yp + offs_n[None, :], acc * share[:, None],
                  mask=valid[:, None] & mask_n[None, :])
+
+
+def _tma(op: ExpertWeight, block_n: int, wanted: bool):
+    """A TMA descriptor of a 16-bit experts operand's flat rows, or None (pointer loads)."""
+    if not wanted or op.constexprs["QUANT"]:
+        return None
+    return weight_descriptor(op.data, block_n, op.block_k, True)
 
 
 def grouped_block_m(pairs: int, experts: int, largest: int) -> int:
@@ -121,7 +138,8 @@ def moe_grouped(x: torch.Tensor, router_logits: torch.Tensor,
                 w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
                 out: torch.Tensor, top_k: int, renormalize: bool, *, block_m: int = 64,
                 block_n: int = 64, block_k: int = 64, num_warps: int = 4,
-                num_stages: int = 3, one_program_max_pairs: int = 0) -> torch.Tensor:
+                num_stages: int = 3, one_program_max_pairs: int = 0,
+                tma_weights: bool = False) -> torch.Tensor:
     """``out = moe(x, router_logits, w13, w2)`` as a grouped GEMM (operands as
     :func:`~tgraph.kernels.triton.moe.moe_decode` takes them).
 
@@ -130,6 +148,7 @@ def moe_grouped(x: torch.Tensor, router_logits: torch.Tensor,
         block_n, block_k, num_warps, num_stages: the GEMM tiles and pipeline.
         one_program_max_pairs: up to this many (token, expert) pairs one launch groups them
             (:func:`~tgraph.kernels.triton.moe_routing.sort_by_expert`).
+        tma_weights: read 16-bit experts' weight tiles by TMA (Hopper, or the interpreter).
     """
     check_moe_operands("moe_grouped", x, router_logits, w13, w2, out, top_k)
     if x.shape[0] == 0:
@@ -137,7 +156,8 @@ def moe_grouped(x: torch.Tensor, router_logits: torch.Tensor,
     shares = moe_grouped_shares(x, router_logits, w13, w2, top_k, renormalize, block_m=block_m,
                                 block_n=block_n, block_k=block_k, num_warps=num_warps,
                                 num_stages=num_stages,
-                                one_program_max_pairs=one_program_max_pairs)
+                                one_program_max_pairs=one_program_max_pairs,
+                                tma_weights=tma_weights)
     return combine_pairs(shares, out, top_k)
 
 
@@ -145,9 +165,11 @@ def moe_grouped_shares(x: torch.Tensor, router_logits: torch.Tensor,
                        w13: torch.Tensor | QuantizedWeight, w2: torch.Tensor | QuantizedWeight,
                        top_k: int, renormalize: bool, *, block_m: int = 64, block_n: int = 64,
                        block_k: int = 64, num_warps: int = 4, num_stages: int = 3,
-                       one_program_max_pairs: int = 0) -> torch.Tensor:
+                       one_program_max_pairs: int = 0, tma_weights: bool = False
+                       ) -> torch.Tensor:
     """The experts of :func:`moe_grouped` without the combine: fp32 ``[T * top_k, H]`` weighted
-    shares, laid out as :func:`~tgraph.kernels.triton.moe.moe_decode_shares` lays them out."""
+    shares, laid out as :func:`~tgraph.kernels.triton.moe.moe_decode_shares` lays them out.
+    With ``tma_weights``, 16-bit experts' tiles are read by TMA where the device has it."""
     t, h, e, inter = check_moe_operands("moe_grouped_shares", x, router_logits, w13, w2, None,
                                         top_k)
     if t == 0:
@@ -168,11 +190,13 @@ def moe_grouped_shares(x: torch.Tensor, router_logits: torch.Tensor,
     if x.is_cuda:
         common["num_stages"] = num_stages
     walk = (blocks.order, blocks.expert, blocks.pos, blocks.end)
+    g_desc, d_desc = (_tma(op, block_n, tma_weights) for op in (g, d))
     _grouped_gate_up_kernel[(blocks.num_blocks, triton.cdiv(inter, block_n))](
-        x, *walk, g.data, g.scale, g.offset, hidden, h, inter, e, top_k, x.stride(0),
-        g.stride_w, g.stride_s, hidden.stride(0), **g.constexprs, BLOCK_K=g.block_k, **common)
+        x, *walk, g.data, g_desc or g.data, g.scale, g.offset, hidden, h, inter, e, top_k,
+        x.stride(0), g.stride_w, g.stride_s, hidden.stride(0), **g.constexprs,
+        W_DESC=g_desc is not None, BLOCK_K=g.block_k, **common)
     _grouped_down_kernel[(blocks.num_blocks, triton.cdiv(h, block_n))](
-        hidden, *walk, weights, d.data, d.scale, d.offset, shares, h, inter, e,
-        hidden.stride(0), d.stride_w, d.stride_s, shares.stride(0), **d.constexprs,
-        BLOCK_K=d.block_k, **common)
+        hidden, *walk, weights, d.data, d_desc or d.data, d.scale, d.offset, shares, h, inter,
+        e, hidden.stride(0), d.stride_w, d.stride_s, shares.stride(0), **d.constexprs,
+        W_DESC=d_desc is not None, BLOCK_K=d.block_k, **common)
     return shares

@@ -66,7 +66,8 @@ def _shares(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, tuning: Tunin
                               block_m=t.grouped_block_m, block_n=t.grouped_block_n,
                               block_k=t.grouped_block_k, num_warps=t.grouped_num_warps,
                               num_stages=t.grouped_num_stages,
-                              one_program_max_pairs=t.group_one_program_max_pairs)
+                              one_program_max_pairs=t.group_one_program_max_pairs,
+                              tma_weights=t.grouped_tma_weights)
 
 
 def moe_add_rms_norm_into(outs: Outs, x: torch.Tensor, router_logits: torch.Tensor, w13, w2,
