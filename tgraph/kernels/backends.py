@@ -22,10 +22,12 @@ __all__ = ["load_backends", "select_kernel"]
 def load_backends() -> None:
     """Register every backend's kernels (once per process)."""
     from tgraph.kernels.cpu_backend import core as cpu_core
+    from tgraph.kernels.cpu_backend import moe as cpu_moe
     from tgraph.kernels.cpu_backend import qk_norm as cpu_qk_norm
     from tgraph.kernels.triton_backend import collective, core, lora, moe, sdpa
 
-    backends = {"triton": (core, lora, collective, sdpa, moe), "cpu": (cpu_core, cpu_qk_norm)}
+    backends = {"triton": (core, lora, collective, sdpa, moe),
+                "cpu": (cpu_core, cpu_qk_norm, cpu_moe)}
     for backend, modules in backends.items():
         for module in modules:
             for spec in module.KERNELS:
