@@ -1,6 +1,10 @@
 """The CPU backend's routed experts (:mod:`tgraph.kernels.cpu_backend.moe`) against the ``moe``
-op's reference: the same matmuls on the same rows in the same order and the same roundings, so
-the results are the reference's bits (``torch.equal``), dense (fp32, bf16) and quantized."""
+op's reference. Dense experts (fp32, bf16) and quantized ones in the exact mode: the same matmuls
+on the same rows in the same order and the same roundings, so the results are the reference's
+bits (``torch.equal``). Quantized experts on torch's packed kernels (the default) take bf16
+activations and scales, as the CPU backend's quantized linears do: each linear within about
+``3 * 2**-9`` of its output's scale; through SwiGLU and the down projection the test allows
+``2**-6`` of the output's largest value."""
 from __future__ import annotations
 
 import pytest
@@ -8,9 +12,10 @@ import torch
 
 from tgraph.ir.ops.moe import moe_add_rms_norm_reference, moe_reference
 from tgraph.kernels.backends import select_kernel
+from tgraph.kernels.cpu_backend import moe as cpu_moe
 from tgraph.kernels.cpu_backend.moe import bind_moe, bind_moe_add_rms_norm, grouped_experts
 from tgraph.quant import quantize
-from tgraph.tuning import Tuning
+from tgraph.tuning import CpuTuning, Tuning
 
 
 def _case(t: int, h: int, inter: int, e: int, dtype: torch.dtype, seed: int = 0):
@@ -33,12 +38,42 @@ def test_grouped_experts_are_the_references_bits(dtype, t, top_k, experts, renor
     assert torch.equal(got, want)
 
 
-def test_quantized_experts_are_dequantized_as_the_reference_does():
-    x, logits, w13, w2 = _case(7, 64, 32, 4, torch.bfloat16)
-    q13 = quantize(w13.reshape(-1, 64).float(), name="w13", kind="int4", group_size=32)
-    q2 = quantize(w2.reshape(-1, 32).float(), name="w2", kind="int4", group_size=32)
+def _quantized(w13, w2, **scheme):
+    h, inter = w13.shape[2], w2.shape[2]
+    return (quantize(w13.reshape(-1, h).float(), name="w13", **scheme),
+            quantize(w2.reshape(-1, inter).float(), name="w2", **scheme))
+
+
+@pytest.mark.parametrize("scheme", [dict(kind="int4", group_size=32),
+                                    dict(kind="int4", group_size=32, offsets=True),
+                                    dict(kind="int8"), dict(kind="fp8")])
+def test_quantized_experts_in_the_exact_mode_are_the_references_bits(scheme):
+    x, logits, w13, w2 = _case(7, 64, 32, 4, torch.float32)
+    q13, q2 = _quantized(w13, w2, **scheme)
     want = moe_reference(x, logits, q13, q2, top_k=2, renormalize=True)
-    assert torch.equal(grouped_experts(x, logits, q13, q2, 2, True), want)
+    exact = CpuTuning(bf16_quant_activations=False)
+    assert torch.equal(grouped_experts(x, logits, q13, q2, 2, True, exact), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scheme", [dict(kind="int4", group_size=32),
+                                    dict(kind="int4", group_size=64, offsets=True),
+                                    dict(kind="int8")])
+def test_packed_experts_are_made_once_and_match_the_reference(dtype, scheme):
+    x, logits, w13, w2 = _case(9, 128, 64, 6, torch.float32, seed=3)
+    q13, q2 = _quantized(w13, w2, **scheme)
+    want = moe_reference(x, logits, q13, q2, top_k=3, renormalize=False).float()
+    x = x.to(dtype)
+    got = grouped_experts(x, logits, q13, q2, 3, False)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=0,
+                               atol=2 ** -6 * float(want.abs().max()))
+    forms = cpu_moe._PACKED[(id(q13.qdata), False)][1]
+    picked = set(torch.topk(logits, 3).indices.flatten().tolist())
+    assert set(forms) == picked and all(f.how != "dense" for f in forms.values())
+    made = {e: id(f) for e, f in forms.items()}
+    grouped_experts(x, logits, q13, q2, 3, False)
+    assert {e: id(f) for e, f in forms.items()} == made  # kept, not packed again
 
 
 def test_the_bound_kernels_write_the_planned_buffers():

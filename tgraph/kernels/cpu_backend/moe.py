@@ -1,57 +1,77 @@
 """``moe`` and ``moe_add_rms_norm`` on the CPU: the routed experts grouped by expert.
 
 The op's reference (:func:`tgraph.ir.ops.moe.moe_reference`) finds each picked expert's tokens
-with half a dozen small torch ops per expert, which cost more than the expert's two matmuls at
-decode sizes. Here the pairs (token, choice) are sorted by expert once; the gathered token rows
-then take one ``gate|up`` and one ``down`` matmul per picked expert, each written straight into
-its slice of one buffer, with SwiGLU over all pairs at once and one weighted scatter-add. The
-arithmetic is the reference's, step for step: the same rows in the same order per expert, the
-same roundings to the activations' dtype, and each token's shares added in ascending expert
-order, so the result equals the reference's.
+with half a dozen small torch ops per expert, and dequantizes a quantized expert whole at every
+call. Here the pairs (token, choice) are sorted by expert once; the gathered token rows then
+take one ``gate|up`` and one ``down`` linear per picked expert, each written straight into its
+slice of one buffer, with SwiGLU over all pairs at once and one weighted scatter-add.
+
+- 16-bit and fp32 experts: the reference's arithmetic in the same order (the same rows per
+  expert, the same roundings to the activations' dtype, each token's shares added in ascending
+  expert order), so the result is the reference's bits.
+- Quantized experts that torch's packed CPU kernels take (int4 groups, int8 per channel, int8
+  groups with ``CpuTuning.int8_group_kernel``): each expert is packed at its first use and kept
+  (:class:`~tgraph.kernels.cpu_backend.quant.PackedLinear`), and runs on fp32 activations
+  rounded to bf16 as the CPU backend's quantized linears do
+  (``CpuTuning.bf16_quant_activations``; about ``3 * 2**-9`` of an output's scale per linear).
+  Other schemes, and the exact mode, dequantize the picked experts per call as the reference
+  does (a cached dense copy of every expert would multiply the experts' memory).
 
 This is what runs routed experts that a rule placed on the CPU (``device: cpu`` on
 ``mlp.experts``), and the experts of a model on the CPU.
 """
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
+
 import torch
 
 from tgraph.ir.ops.fused import add_rms_norm_reference
 from tgraph.ir.ops.moe import expert_weights, route
 from tgraph.kernels.cpu_backend.common import BoundKernel, Thunk, returning
+from tgraph.kernels.cpu_backend.quant import PackedLinear, packed_how
 from tgraph.kernels.registry import KernelSpec
 from tgraph.kernels.triton_backend.common import Outs
-from tgraph.tuning import Tuning
+from tgraph.quant import QuantizedWeight, is_quantized
+from tgraph.tuning import CpuTuning, Tuning
 
 __all__ = ["KERNELS", "bind_moe", "bind_moe_add_rms_norm", "grouped_experts"]
 
+_F32 = torch.float32
+# Expert ``e`` of ``w`` into ``out``: ``out = a @ w[e].T``.
+ExpertLinear = Callable[[int, torch.Tensor, torch.Tensor], None]
+
 
 def grouped_experts(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int,
-                    renormalize: bool) -> torch.Tensor:
-    """``moe(x, router_logits, w13, w2)`` in ``x``'s dtype, equal to the op's reference."""
-    weights, ids = route(router_logits, top_k, renormalize)
+                    renormalize: bool, cpu: CpuTuning | None = None) -> torch.Tensor:
+    """``moe(x, router_logits, w13, w2)`` in ``x``'s dtype (see the module docstring for
+    which experts give the reference's bits and which run packed)."""
+    cpu = cpu or CpuTuning()
     experts = router_logits.shape[1]
+    gate_up_of, packed13 = _expert_linear(w13, experts, x.dtype, cpu)
+    down_of, packed2 = _expert_linear(w2, experts, x.dtype, cpu)
+    dtype = _F32 if packed13 or packed2 else x.dtype  # packed kernels take fp32 activations
+    weights, ids = route(router_logits, top_k, renormalize)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # by expert, pairs (so tokens) ascending inside
     counts = torch.bincount(flat, minlength=experts).tolist()
     tokens = order.div(top_k, rounding_mode="floor")
-    xs = x.index_select(0, tokens)
+    xs = x.index_select(0, tokens).to(dtype)
     pairs, inter = xs.shape[0], _rows(w13, experts) // 2
-    gate_up = torch.empty(pairs, 2 * inter, dtype=x.dtype)
-    y = torch.empty(pairs, x.shape[1], dtype=x.dtype)
+    gate_up = torch.empty(pairs, 2 * inter, dtype=dtype)
+    y = torch.empty(pairs, x.shape[1], dtype=dtype)
     picked = [(e, c) for e, c in enumerate(counts) if c]
     start = 0
     for e, c in picked:
-        torch.mm(xs[start:start + c], expert_weights(w13, e, experts, x.dtype).T,
-                 out=gate_up[start:start + c])
+        gate_up_of(e, xs[start:start + c], gate_up[start:start + c])
         start += c
     h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
     start = 0
     for e, c in picked:
-        torch.mm(h[start:start + c], expert_weights(w2, e, experts, x.dtype).T,
-                 out=y[start:start + c])
+        down_of(e, h[start:start + c], y[start:start + c])
         start += c
-    out = torch.zeros(x.shape, dtype=torch.float32)
+    out = torch.zeros(x.shape, dtype=_F32)
     out.index_add_(0, tokens, y.float() * weights.reshape(-1)[order, None])
     return out.to(x.dtype)
 
@@ -61,19 +81,62 @@ def _rows(w, experts: int) -> int:
     return w.shape[1] if w.dim() == 3 else w.shape[0] // experts
 
 
+def _expert_linear(w, experts: int, dtype: torch.dtype, cpu: CpuTuning
+                   ) -> tuple[ExpertLinear, bool]:
+    """How expert ``e`` of ``w`` multiplies, and whether it runs packed (fp32 activations)."""
+    if not is_quantized(w):
+        return (lambda e, a, out: torch.mm(a, w[e].to(dtype).T, out=out)), False
+    rows = w.shape[0] // experts
+    first = w.narrow(0, 0, rows)
+    if cpu.bf16_quant_activations and packed_how(first, _F32, True,
+                                                 cpu.int8_group_kernel) != "dense":
+        forms = _packed_experts(w, cpu.int8_group_kernel)
+
+        def packed(e: int, a: torch.Tensor, out: torch.Tensor) -> None:
+            form = forms.get(e)
+            if form is None:
+                form = forms[e] = PackedLinear(w.narrow(0, e * rows, rows), _F32, True,
+                                               cpu.int8_group_kernel)
+            form.run(a, out)
+        return packed, True
+    return (lambda e, a, out: torch.mm(a, expert_weights(w, e, experts, dtype).T,
+                                       out=out)), False
+
+
+# (id(codes), int8 groups) -> (a weak reference to the codes, {expert: packed form}); an entry
+# leaves with its codes.
+_PACKED: dict[tuple[int, bool], tuple[weakref.ref, dict[int, PackedLinear]]] = {}
+
+
+def _packed_experts(w: QuantizedWeight, int8_groups: bool) -> dict[int, PackedLinear]:
+    """The packed forms made so far of the experts of ``w`` (filled on first use)."""
+    key = (id(w.qdata), int8_groups)
+    hit = _PACKED.get(key)
+    if hit is not None and hit[0]() is w.qdata:
+        return hit[1]
+    forms: dict[int, PackedLinear] = {}
+    if hit is None:
+        weakref.finalize(w.qdata, _PACKED.pop, key, None)
+    _PACKED[key] = (weakref.ref(w.qdata), forms)
+    return forms
+
+
 def bind_moe(outs: Outs, x, router_logits, w13, w2, *, top_k, renormalize,
              tuning: Tuning | None = None) -> Thunk:
     out = outs[0]
+    cpu = (tuning or Tuning()).cpu
 
     def run() -> None:
-        out.copy_(grouped_experts(x, router_logits, w13, w2, top_k, renormalize))
+        out.copy_(grouped_experts(x, router_logits, w13, w2, top_k, renormalize, cpu))
     return returning(run, out)
 
 
 def bind_moe_add_rms_norm(outs: Outs, x, router_logits, w13, w2, residual, weight, *, top_k,
                           renormalize, eps, tuning: Tuning | None = None) -> Thunk:
+    cpu = (tuning or Tuning()).cpu
+
     def run() -> tuple:
-        moe = grouped_experts(x, router_logits, w13, w2, top_k, renormalize)
+        moe = grouped_experts(x, router_logits, w13, w2, top_k, renormalize, cpu)
         normed, summed = add_rms_norm_reference(moe, residual, weight, eps=eps)
         return tuple(_into(buf, r) for buf, r in zip(outs, (normed, summed)))
     return run
