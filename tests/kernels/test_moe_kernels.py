@@ -140,10 +140,13 @@ def test_block_m_follows_the_pairs_per_expert():
     assert grouped_block_m(40 * 8, 8, 64) == 64
 
 
-@pytest.mark.parametrize("t, split_max", [(1, 8), (5, 8), (3, 2), (12, 8)],
-                         ids=["decode-split", "decode-split-5", "decode-per-token", "grouped"])
+@pytest.mark.parametrize("t, split_max, grouped", [
+    (1, 8, {}), (5, 8, {}), (3, 2, {}), (12, 8, {}),
+    (12, 8, dict(group_one_program_max_pairs=64, grouped_tma_weights=True))],
+    ids=["decode-split", "decode-split-5", "decode-per-token", "grouped",
+         "grouped-one-program-tma"])
 @pytest.mark.parametrize("quantized", [False, True])
-def test_combine_in_the_norm_equals_combine_then_norm(t, split_max, quantized):
+def test_combine_in_the_norm_equals_combine_then_norm(t, split_max, grouped, quantized):
     """moe_add_rms_norm (the experts' shares added by the norm's kernel) gives the bits of the
     moe kernels' combine followed by add_rms_norm, on every path a token count takes."""
     dtype = torch.float16 if DEV == "cpu" else torch.bfloat16
@@ -153,7 +156,7 @@ def test_combine_in_the_norm_equals_combine_then_norm(t, split_max, quantized):
     g = torch.Generator().manual_seed(7)
     residual = torch.randn(t, 64, generator=g).to(DEV, dtype)
     weight = (torch.rand(64, generator=g) + 0.5).to(DEV, dtype)
-    tuning = Tuning(moe=MoeTuning(split_max_tokens=split_max))
+    tuning = Tuning(moe=MoeTuning(split_max_tokens=split_max, **grouped))
     kw = dict(top_k=3, renormalize=True)
     fused = (torch.empty_like(x), torch.empty_like(x))
     moe_add_rms_norm_into(fused, x, logits, w13, w2, residual, weight, tuning=tuning, eps=1e-6,
