@@ -53,3 +53,14 @@ def test_profiled_step_stops_the_profiler_when_the_step_fails(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         profiled_step(step, warmup=1)
     assert events == ["start", "stop"]
+
+
+def test_quant_takes_only_the_bench_schemes(monkeypatch, capsys):
+    import sys
+
+    from tgraph.bench import profile
+
+    monkeypatch.setattr(sys, "argv", ["profile", "llama-3.2-1b", "--quant", "int5"])
+    with pytest.raises(SystemExit):  # refused by the parser, before any weight is made
+        profile.main()
+    assert "invalid choice: 'int5'" in capsys.readouterr().err
