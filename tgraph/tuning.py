@@ -273,9 +273,9 @@ class MoeTuning(_Section):
     grouped_tma_weights: bool = knob(False, "grouped GEMM: 16-bit experts' weight tiles read by "
                                             "TMA on Hopper (pointer loads otherwise)")
     group_one_program_max_pairs: int = knob(
-        0, "grouped GEMM: up to this many (token, expert) pairs one program sorts them by "
-           "expert (one launch; 0: never, not yet measured on a GPU); more are counted with "
-           "atomics (four launches)", minimum=0)
+        0, "grouped GEMM: up to this many (token, expert) pairs (at most 4096) one program "
+           "sorts them by expert (one launch; 0: never, not yet measured on a GPU); more are "
+           "counted with atomics (four launches)", minimum=0)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ import triton.language as tl
 
 from tgraph.kernels.triton.pdl import pdl_kwargs, pdl_wait
 
-__all__ = ["ExpertBlocks", "max_blocks", "route_topk", "sort_by_expert"]
+__all__ = ["ONE_PROGRAM_LIMIT", "ExpertBlocks", "max_blocks", "route_topk", "sort_by_expert"]
+
+ONE_PROGRAM_LIMIT = 4096  # the most pairs one program's registers sort (8 warps, 16 keys each)
 
 
 @triton.jit
@@ -174,9 +176,10 @@ def sort_by_expert(ids: torch.Tensor, experts: int, block_m: int,
                    one_program_max_pairs: int = 0) -> ExpertBlocks:
     """Group the pairs of ``ids`` (int32 ``[T, top_k]``) by expert, in blocks of ``block_m``.
 
-    Up to ``one_program_max_pairs`` pairs one program sorts them (in pair order inside an
-    expert) and lays the blocks out, one launch; more are counted and ranked with atomics (in
-    no fixed order inside an expert), laid out by one program and scattered: four launches.
+    Up to ``one_program_max_pairs`` pairs (at most :data:`ONE_PROGRAM_LIMIT`) one program sorts
+    them (in pair order inside an expert) and lays the blocks out, one launch; more are counted
+    and ranked with atomics (in no fixed order inside an expert), laid out by one program and
+    scattered: four launches.
     """
     flat = ids.reshape(-1)
     n = flat.shape[0]
@@ -187,7 +190,7 @@ def sort_by_expert(ids: torch.Tensor, experts: int, block_m: int,
                           block_m=block_m)
     walk = (blocks.order, blocks.expert, blocks.pos, blocks.end)
     e_pad = triton.next_power_of_2(experts)
-    if n <= one_program_max_pairs:
+    if n <= min(one_program_max_pairs, ONE_PROGRAM_LIMIT):
         n_pad = max(16, triton.next_power_of_2(n))
         _group_kernel[(1,)](flat, *walk, n, experts, nb, BLOCK_M=block_m, CHUNK=64,
                             N_PAD=n_pad, E_PAD=e_pad, num_warps=4 if n_pad <= 1024 else 8,
