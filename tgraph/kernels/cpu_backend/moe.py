@@ -14,12 +14,10 @@ slice of one buffer, with SwiGLU over all pairs at once and one weighted scatter
   (:class:`~tgraph.kernels.cpu_backend.quant.PackedLinear`), and runs on fp32 activations
   rounded to bf16 as the CPU backend's quantized linears do
   (``CpuTuning.bf16_quant_activations``; about ``3 * 2**-9`` of an output's scale per linear).
-  Other int4 / int8 layouts (GGUF ``Q6_K``, ``Q8_0``: int8 in groups of 16 or 32) and the exact
-  mode run the compiled CPU kernel on the codes when the activations are fp32
-  (``CpuTuning.native_kernels``; :mod:`tgraph.kernels.cpu_backend.native`): the dequantized
-  weights' products, summed in another order than torch's. Everything else (fp8, 16-bit
-  activations) dequantizes the picked experts per call as the reference does (a cached dense
-  copy of every expert would multiply the experts' memory).
+  Other schemes (fp8; int8 in groups of 16 or 32, GGUF ``Q6_K`` and ``Q8_0``) and the exact
+  mode dequantize the picked experts per call as the reference does, so a model of such experts
+  decodes with the bits of its dequantized twin (a cached dense copy of every expert would
+  multiply the experts' memory).
 
 This is what runs routed experts that a rule placed on the CPU (``device: cpu`` on
 ``mlp.experts``), and the experts of a model on the CPU.
@@ -34,7 +32,6 @@ import torch
 from tgraph.ir.ops.fused import add_rms_norm_reference
 from tgraph.ir.ops.moe import expert_weights, route
 from tgraph.kernels.cpu_backend.common import BoundKernel, Thunk, returning
-from tgraph.kernels.cpu_backend.native import library
 from tgraph.kernels.cpu_backend.quant import PackedLinear, packed_how
 from tgraph.kernels.registry import KernelSpec
 from tgraph.kernels.triton_backend.common import Outs
@@ -104,16 +101,6 @@ def _expert_linear(w, experts: int, dtype: torch.dtype, cpu: CpuTuning
                                                cpu.int8_group_kernel)
             form.run(a, out)
         return packed, True
-    lib = library() if cpu.native_kernels and dtype == _F32 else None
-    if lib is not None and lib.takes_quantized(first):
-        def native(e: int, a: torch.Tensor, out: torch.Tensor) -> None:
-            call = lib.bind_linear_q(out, a, w.narrow(0, e * rows, rows), None, None,
-                                     torch.get_num_threads())
-            if call is None:  # rows the compiled kernel does not take
-                torch.mm(a, expert_weights(w, e, experts, dtype).T, out=out)
-            else:
-                call()
-        return native, False
     return (lambda e, a, out: torch.mm(a, expert_weights(w, e, experts, dtype).T,
                                        out=out)), False
 
