@@ -101,3 +101,16 @@ def test_the_cpu_backend_selects_them(op):
     node = SimpleNamespace(op=op, inputs=(), attrs={})
     _, name = select_kernel(node, Tuning(), backend="cpu")
     assert name == f"cpu.{op}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_gate_up_and_dequantized_down_mix(dtype):
+    # GGUF Q4_K_M's experts: gate|up in Q4_K (packed), down in Q6_K (int8 groups of 16).
+    x, logits, w13, w2 = _case(5, 64, 32, 4, torch.float32, seed=5)
+    q13, _ = _quantized(w13, w2, kind="int4", group_size=32, offsets=True)
+    _, q2 = _quantized(w13, w2, kind="int8", group_size=16)
+    want = moe_reference(x, logits, q13, q2, top_k=2, renormalize=True).float()
+    got = grouped_experts(x.to(dtype), logits, q13, q2, 2, True)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, rtol=0,
+                               atol=2 ** -6 * float(want.abs().max()))

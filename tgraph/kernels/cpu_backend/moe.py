@@ -41,7 +41,7 @@ from tgraph.tuning import CpuTuning, Tuning
 __all__ = ["KERNELS", "bind_moe", "bind_moe_add_rms_norm", "grouped_experts"]
 
 _F32 = torch.float32
-# Expert ``e`` of ``w`` into ``out``: ``out = a @ w[e].T``.
+# Expert ``e`` of a weight into ``out``: ``out = a @ w[e].T``.
 ExpertLinear = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
@@ -51,8 +51,8 @@ def grouped_experts(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k
     which experts give the reference's bits and which run packed)."""
     cpu = cpu or CpuTuning()
     experts = router_logits.shape[1]
-    gate_up_of, packed13 = _expert_linear(w13, experts, x.dtype, cpu)
-    down_of, packed2 = _expert_linear(w2, experts, x.dtype, cpu)
+    gate_up_of, packed13 = _expert_linear(w13, experts, cpu)
+    down_of, packed2 = _expert_linear(w2, experts, cpu)
     dtype = _F32 if packed13 or packed2 else x.dtype  # packed kernels take fp32 activations
     weights, ids = route(router_logits, top_k, renormalize)
     flat = ids.reshape(-1)
@@ -83,11 +83,11 @@ def _rows(w, experts: int) -> int:
     return w.shape[1] if w.dim() == 3 else w.shape[0] // experts
 
 
-def _expert_linear(w, experts: int, dtype: torch.dtype, cpu: CpuTuning
-                   ) -> tuple[ExpertLinear, bool]:
-    """How expert ``e`` of ``w`` multiplies, and whether it runs packed (fp32 activations)."""
+def _expert_linear(w, experts: int, cpu: CpuTuning) -> tuple[ExpertLinear, bool]:
+    """How expert ``e`` of ``w`` multiplies activations ``a`` (in their dtype), and whether it
+    runs packed (then the activations must be fp32)."""
     if not is_quantized(w):
-        return (lambda e, a, out: torch.mm(a, w[e].to(dtype).T, out=out)), False
+        return (lambda e, a, out: torch.mm(a, w[e].to(a.dtype).T, out=out)), False
     rows = w.shape[0] // experts
     first = w.narrow(0, 0, rows)
     if cpu.bf16_quant_activations and packed_how(first, _F32, True,
@@ -101,7 +101,7 @@ def _expert_linear(w, experts: int, dtype: torch.dtype, cpu: CpuTuning
                                                cpu.int8_group_kernel)
             form.run(a, out)
         return packed, True
-    return (lambda e, a, out: torch.mm(a, expert_weights(w, e, experts, dtype).T,
+    return (lambda e, a, out: torch.mm(a, expert_weights(w, e, experts, a.dtype).T,
                                        out=out)), False
 
 
