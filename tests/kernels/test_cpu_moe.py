@@ -14,8 +14,11 @@ from tgraph.ir.ops.moe import moe_add_rms_norm_reference, moe_reference
 from tgraph.kernels.backends import select_kernel
 from tgraph.kernels.cpu_backend import moe as cpu_moe
 from tgraph.kernels.cpu_backend.moe import bind_moe, bind_moe_add_rms_norm, grouped_experts
+from tgraph.kernels.cpu_backend.quant import packed_how
 from tgraph.quant import quantize
 from tgraph.tuning import CpuTuning, Tuning
+
+TORCH = CpuTuning(native_kernels=False)  # torch's matmuls: the reference's bits
 
 
 def _case(t: int, h: int, inter: int, e: int, dtype: torch.dtype, seed: int = 0):
@@ -33,9 +36,13 @@ def _case(t: int, h: int, inter: int, e: int, dtype: torch.dtype, seed: int = 0)
 def test_grouped_experts_are_the_references_bits(dtype, t, top_k, experts, renormalize):
     x, logits, w13, w2 = _case(t, 64, 24, experts, dtype, seed=t)
     want = moe_reference(x, logits, w13, w2, top_k=top_k, renormalize=renormalize)
-    got = grouped_experts(x, logits, w13, w2, top_k, renormalize)
+    got = grouped_experts(x, logits, w13, w2, top_k, renormalize, TORCH)
     assert got.dtype == dtype
     assert torch.equal(got, want)
+    # With the compiled kernels (fp32 rows): sums of 64 / 24 products in another order.
+    got = grouped_experts(x, logits, w13, w2, top_k, renormalize)
+    tol = 1e-5 if dtype == torch.float32 else 0.0
+    torch.testing.assert_close(got, want, rtol=0, atol=tol * float(want.abs().max()))
 
 
 def _quantized(w13, w2, **scheme):
@@ -53,8 +60,24 @@ def test_quantized_experts_in_the_exact_mode_are_the_references_bits(scheme):
     x, logits, w13, w2 = _case(7, 64, 32, 4, torch.float32)
     q13, q2 = _quantized(w13, w2, **scheme)
     want = moe_reference(x, logits, q13, q2, top_k=2, renormalize=True)
-    exact = CpuTuning(bf16_quant_activations=False)
+    exact = CpuTuning(bf16_quant_activations=False, native_kernels=False)
     assert torch.equal(grouped_experts(x, logits, q13, q2, 2, True, exact), want)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("tokens", [3, 20])  # rows per expert within and past native_max_rows
+@pytest.mark.parametrize("scheme", SCHEMES[1:])
+def test_dequantized_experts_keep_their_dense_twins_bits(scheme, tokens, native):
+    x, logits, w13, w2 = _case(tokens, 64, 32, 4, torch.float32, seed=tokens)
+    q13, q2 = _quantized(w13, w2, **scheme)
+    twin13 = q13.dequantize().reshape(w13.shape)
+    twin2 = q2.dequantize().reshape(w2.shape)
+    for cpu in (CpuTuning(native_kernels=native),
+                CpuTuning(bf16_quant_activations=False, native_kernels=native)):
+        if packed_how(q13, torch.float32, cpu.bf16_quant_activations) != "dense":
+            continue  # packed on bf16 activations: not the twin's arithmetic
+        assert torch.equal(grouped_experts(x, logits, q13, q2, 2, True, cpu),
+                           grouped_experts(x, logits, twin13, twin2, 2, True, cpu))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -81,13 +104,15 @@ def test_packed_experts_are_made_once_and_match_the_reference(dtype, scheme):
 def test_the_bound_kernels_write_the_planned_buffers():
     x, logits, w13, w2 = _case(6, 64, 24, 8, torch.float32)
     out = torch.full_like(x, float("nan"))
-    assert bind_moe((out,), x, logits, w13, w2, top_k=2, renormalize=True)() is out
+    torch_only = Tuning(cpu=TORCH)
+    assert bind_moe((out,), x, logits, w13, w2, top_k=2, renormalize=True,
+                    tuning=torch_only)() is out
     assert torch.equal(out, moe_reference(x, logits, w13, w2, top_k=2, renormalize=True))
 
     residual, weight = torch.randn_like(x), torch.rand(64) + 0.5
     normed, summed = torch.empty_like(x), torch.empty_like(x)
     got = bind_moe_add_rms_norm((normed, summed), x, logits, w13, w2, residual, weight, top_k=2,
-                                renormalize=False, eps=1e-6)()
+                                renormalize=False, eps=1e-6, tuning=torch_only)()
     want = moe_add_rms_norm_reference(x, logits, w13, w2, residual, weight, top_k=2,
                                       renormalize=False, eps=1e-6)
     assert got[0] is normed and got[1] is summed

@@ -8,16 +8,21 @@ slice of one buffer, with SwiGLU over all pairs at once and one weighted scatter
 
 - 16-bit and fp32 experts: the reference's arithmetic in the same order (the same rows per
   expert, the same roundings to the activations' dtype, each token's shares added in ascending
-  expert order), so the result is the reference's bits.
+  expert order), so the result is the reference's bits; except that an fp32 expert's few rows
+  (up to ``CpuTuning.native_max_rows``) take the compiled CPU kernel where it loads
+  (``CpuTuning.native_kernels``), as the CPU backend's other linears do: the same products
+  summed in another order.
 - Quantized experts that torch's packed CPU kernels take (int4 groups, int8 per channel, int8
   groups with ``CpuTuning.int8_group_kernel``): each expert is packed at its first use and kept
   (:class:`~tgraph.kernels.cpu_backend.quant.PackedLinear`), and runs on fp32 activations
   rounded to bf16 as the CPU backend's quantized linears do
   (``CpuTuning.bf16_quant_activations``; about ``3 * 2**-9`` of an output's scale per linear).
   Other schemes (fp8; int8 in groups of 16 or 32, GGUF ``Q6_K`` and ``Q8_0``) and the exact
-  mode dequantize the picked experts per call as the reference does, so a model of such experts
-  decodes with the bits of its dequantized twin (a cached dense copy of every expert would
-  multiply the experts' memory).
+  mode multiply what the dequantized expert would: the compiled kernel on the codes of int4 /
+  int8 experts wherever their dense twin's expert takes it (fp32 rows, few of them), the
+  picked experts dequantized per call elsewhere. A model of such experts decodes with the bits
+  of its dequantized twin (a cached dense copy of every expert would multiply the experts'
+  memory).
 
 This is what runs routed experts that a rule placed on the CPU (``device: cpu`` on
 ``mlp.experts``), and the experts of a model on the CPU.
@@ -32,6 +37,7 @@ import torch
 from tgraph.ir.ops.fused import add_rms_norm_reference
 from tgraph.ir.ops.moe import expert_weights, route
 from tgraph.kernels.cpu_backend.common import BoundKernel, Thunk, returning
+from tgraph.kernels.cpu_backend.native import library
 from tgraph.kernels.cpu_backend.quant import PackedLinear, packed_how
 from tgraph.kernels.registry import KernelSpec
 from tgraph.kernels.triton_backend.common import Outs
@@ -86,8 +92,21 @@ def _rows(w, experts: int) -> int:
 def _expert_linear(w, experts: int, cpu: CpuTuning) -> tuple[ExpertLinear, bool]:
     """How expert ``e`` of ``w`` multiplies activations ``a`` (in their dtype), and whether it
     runs packed (then the activations must be fp32)."""
+    lib = library() if cpu.native_kernels else None
+    threads = torch.get_num_threads()
+
+    def native(a: torch.Tensor) -> bool:  # the compiled kernels' rows, as for other linears
+        return lib is not None and a.dtype == _F32 and a.shape[0] <= cpu.native_max_rows
+
     if not is_quantized(w):
-        return (lambda e, a, out: torch.mm(a, w[e].to(a.dtype).T, out=out)), False
+        def dense(e: int, a: torch.Tensor, out: torch.Tensor) -> None:
+            call = lib.bind_linear(out, a, w[e], None, None, threads) \
+                if native(a) and w.dtype == _F32 else None
+            if call is None:
+                torch.mm(a, w[e].to(a.dtype).T, out=out)
+            else:
+                call()
+        return dense, False
     rows = w.shape[0] // experts
     first = w.narrow(0, 0, rows)
     if cpu.bf16_quant_activations and packed_how(first, _F32, True,
@@ -101,8 +120,21 @@ def _expert_linear(w, experts: int, cpu: CpuTuning) -> tuple[ExpertLinear, bool]
                                                cpu.int8_group_kernel)
             form.run(a, out)
         return packed, True
-    return (lambda e, a, out: torch.mm(a, expert_weights(w, e, experts, a.dtype).T,
-                                       out=out)), False
+    codes_ok = lib is not None and lib.takes_quantized(first)
+
+    def dequantized(e: int, a: torch.Tensor, out: torch.Tensor) -> None:
+        # Where the dense twin's expert takes the compiled kernel, so does this one: its bits.
+        call = None
+        if native(a) and codes_ok:
+            call = lib.bind_linear_q(out, a, w.narrow(0, e * rows, rows), None, None, threads)
+        dense = None if call is not None else expert_weights(w, e, experts, a.dtype)
+        if call is None and native(a):
+            call = lib.bind_linear(out, a, dense, None, None, threads)
+        if call is None:
+            torch.mm(a, dense.T, out=out)
+        else:
+            call()
+    return dequantized, False
 
 
 # (id(codes), int8 groups) -> (a weak reference to the codes, {expert: packed form}); an entry
