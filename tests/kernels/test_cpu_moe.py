@@ -1,7 +1,10 @@
 """The CPU backend's routed experts (:mod:`tgraph.kernels.cpu_backend.moe`) against the ``moe``
-op's reference. Dense experts (fp32, bf16) and quantized ones in the exact mode: the same matmuls
-on the same rows in the same order and the same roundings, so the results are the reference's
-bits (``torch.equal``). Quantized experts on torch's packed kernels (the default) take bf16
+op's reference. Dense experts (fp32, bf16) and quantized ones in the exact mode on torch's
+matmuls: the same matmuls on the same rows in the same order and the same roundings, so the
+results are the reference's bits (``torch.equal``). On the compiled CPU kernels (fp32 rows) the
+products are summed in another order: within 1e-5 of the output's scale (sums of <= 64 O(1)
+products), and a quantized model's experts give its dequantized twin's bits. Quantized experts
+on torch's packed kernels (the default) take bf16
 activations and scales, as the CPU backend's quantized linears do: each linear within about
 ``3 * 2**-9`` of its output's scale; through SwiGLU and the down projection the test allows
 ``2**-6`` of the output's largest value."""
