@@ -1,13 +1,23 @@
-"""The grouped-MoE sweep (``python -m tgraph.bench.tune_moe``) on a tiny layer (GPU only)."""
+"""The grouped-MoE sweep (``python -m tgraph.bench.tune_moe``): its argument check, and a tiny
+layer swept (GPU only)."""
 from __future__ import annotations
 
 import sys
 
 import pytest
 
-pytestmark = pytest.mark.gpu
+
+@pytest.mark.parametrize("shape", ["128,2048,768", "a,b,c,d"])
+def test_a_bad_shape_is_refused_before_any_work(monkeypatch, capsys, shape):
+    from tgraph.bench import tune_moe
+
+    monkeypatch.setattr(sys, "argv", ["tune_moe", "--shape", shape])
+    with pytest.raises(SystemExit):
+        tune_moe.main()
+    assert "--shape expects four integers E,H,I,TOP_K" in capsys.readouterr().err
 
 
+@pytest.mark.gpu
 def test_the_sweep_times_each_candidate_and_both_groupings(monkeypatch, capsys):
     from tgraph.bench import tune_moe
 

@@ -15,9 +15,8 @@ import torch
 
 from tgraph.ir.ops.moe import moe_add_rms_norm_reference, moe_reference
 from tgraph.kernels.backends import select_kernel
-from tgraph.kernels.cpu_backend import moe as cpu_moe
 from tgraph.kernels.cpu_backend.moe import bind_moe, bind_moe_add_rms_norm, grouped_experts
-from tgraph.kernels.cpu_backend.quant import packed_how
+from tgraph.kernels.cpu_backend.quant import cached_forms, packed_how, packed_linear
 from tgraph.quant import quantize
 from tgraph.tuning import CpuTuning, Tuning
 
@@ -92,16 +91,20 @@ def test_packed_experts_are_made_once_and_match_the_reference(dtype, scheme):
     q13, q2 = _quantized(w13, w2, **scheme)
     want = moe_reference(x, logits, q13, q2, top_k=3, renormalize=False).float()
     x = x.to(dtype)
+    before = {id(f) for f in cached_forms()}
     got = grouped_experts(x, logits, q13, q2, 3, False)
     assert got.dtype == dtype
     torch.testing.assert_close(got.float(), want, rtol=0,
                                atol=2 ** -6 * float(want.abs().max()))
-    forms = cpu_moe._PACKED[(id(q13.qdata), False)][1]
-    picked = set(torch.topk(logits, 3).indices.flatten().tolist())
-    assert set(forms) == picked and all(f.how != "dense" for f in forms.values())
-    made = {e: id(f) for e, f in forms.items()}
+    made = [f for f in cached_forms() if id(f) not in before]
+    picked = sorted(set(torch.topk(logits, 3).indices.flatten().tolist()))
+    # Exactly the picked experts were packed, gate|up and down each.
+    assert len(made) == 2 * len(picked) and all(f.how != "dense" for f in made)
+    rows = q13.shape[0] // 6
+    assert all(any(f is packed_linear(q13, torch.float32, True, False, rows=(e * rows, rows))
+                   for f in made) for e in picked)
     grouped_experts(x, logits, q13, q2, 3, False)
-    assert {e: id(f) for e, f in forms.items()} == made  # kept, not packed again
+    assert [f for f in cached_forms() if id(f) not in before] == made  # kept, not packed again
 
 
 def test_the_bound_kernels_write_the_planned_buffers():

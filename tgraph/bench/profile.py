@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from tgraph.bench.models import captured_decode, prefill_batch, random_model, random_weights
-from tgraph.bench.quant import QUANT_SCHEMES, SCHEME_TUNING, quantize_linears, quantized_model
+from tgraph.bench.quant import QUANT_SCHEMES, quantize_linears, quantized_model
 from tgraph.bench.timeline import print_timeline, profile_step
 from tgraph.bench.timing import host_ms, time_ms
 from tgraph.models.presets import preset
@@ -41,10 +41,8 @@ def main() -> None:
     hf_config = preset(args.preset)
     weights = random_weights(hf_config, torch.bfloat16, "cuda")
     if args.quant:
-        quantized = quantize_linears(weights, args.quant)
-        extra = {"tuning": SCHEME_TUNING[args.quant]} if args.quant in SCHEME_TUNING else {}
-        model = quantized_model(hf_config, weights, quantized, max_model_len=4096, **extra)
-        del quantized
+        model = quantized_model(hf_config, weights, quantize_linears(weights, args.quant),
+                                args.quant, max_model_len=4096)
     else:
         model = random_model(hf_config, weights, max_model_len=4096)
     del weights

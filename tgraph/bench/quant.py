@@ -83,8 +83,12 @@ def step_read_bytes(hf_config: dict, weights: dict[str, torch.Tensor],
 
 
 def quantized_model(hf_config: dict, weights: dict[str, torch.Tensor],
-                    quantized: dict[str, QuantizedWeight], **llm_options):
-    """A tgraph model of ``hf_config`` holding ``quantized`` in place of those dense weights."""
+                    quantized: dict[str, QuantizedWeight], scheme: str | None = None,
+                    **llm_options):
+    """A tgraph model of ``hf_config`` holding ``quantized`` in place of those dense weights,
+    with the settings bench ``scheme`` runs with (:data:`SCHEME_TUNING`)."""
+    if scheme in SCHEME_TUNING:
+        llm_options.setdefault("tuning", SCHEME_TUNING[scheme])
     loader = DictWeightLoader({n: w for n, w in weights.items() if n not in quantized},
                               device="cuda", dtype=torch.bfloat16)
     for name, q in quantized.items():
@@ -108,8 +112,7 @@ def bench_quantized(hf_config: dict, weights: dict[str, torch.Tensor], kinds: li
                           step / (copy_gbps * 1e9) * 1e3)
         label = f"tgraph {kind}"
         try:
-            extra = {"tuning": SCHEME_TUNING[kind]} if kind in SCHEME_TUNING else {}
-            model = quantized_model(hf_config, weights, quantized, max_model_len=4096, **extra)
+            model = quantized_model(hf_config, weights, quantized, kind, max_model_len=4096)
             scratch = PresetResult(label, resident, res.bound_ms)
             bench_tgraph(model, batches, scratch, "tgraph static")
             res.decode_ms = scratch.decode_ms["tgraph static"]

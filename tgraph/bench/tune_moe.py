@@ -36,7 +36,10 @@ def main() -> None:
         parser.add_argument(f"--{axis.replace('_', '-')}", nargs="*", type=int)
     parser.add_argument("--one-program-max-pairs", type=int, default=0)
     args = parser.parse_args()
-    experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
+    try:
+        experts, hidden, inter, top_k = (int(v) for v in args.shape.split(","))
+    except ValueError:
+        parser.error(f"--shape expects four integers E,H,I,TOP_K, got {args.shape!r}")
     gbps = measure_ceilings().copy_gbps
     layer_bytes = 3 * experts * hidden * inter * 2
     copies = max(1, -(-_L2_BYTES // layer_bytes))

@@ -29,7 +29,6 @@ This is what runs routed experts that a rule placed on the CPU (``device: cpu`` 
 """
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 
 import torch
@@ -38,50 +37,62 @@ from tgraph.ir.ops.fused import add_rms_norm_reference
 from tgraph.ir.ops.moe import expert_weights, route
 from tgraph.kernels.cpu_backend.common import BoundKernel, Thunk, returning
 from tgraph.kernels.cpu_backend.native import library
-from tgraph.kernels.cpu_backend.quant import PackedLinear, packed_how
+from tgraph.kernels.cpu_backend.quant import packed_how, packed_linear
 from tgraph.kernels.registry import KernelSpec
 from tgraph.kernels.triton_backend.common import Outs
-from tgraph.quant import QuantizedWeight, is_quantized
+from tgraph.quant import is_quantized
 from tgraph.tuning import CpuTuning, Tuning
 
-__all__ = ["KERNELS", "bind_moe", "bind_moe_add_rms_norm", "grouped_experts"]
+__all__ = ["KERNELS", "GroupedExperts", "bind_moe", "bind_moe_add_rms_norm", "grouped_experts"]
 
 _F32 = torch.float32
 # Expert ``e`` of a weight into ``out``: ``out = a @ w[e].T``.
 ExpertLinear = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
+class GroupedExperts:
+    """The experts ``w13``, ``w2`` of one layer, their kernels chosen once:
+    ``experts(x, router_logits, top_k, renormalize)`` is ``moe(x, ...)`` in ``x``'s dtype (see
+    the module docstring for which experts give the reference's bits and which run packed)."""
+
+    def __init__(self, w13, w2, experts: int, cpu: CpuTuning) -> None:
+        self.experts, self.inter = experts, _rows(w13, experts) // 2
+        self.gate_up, packed13 = _expert_linear(w13, experts, cpu)
+        self.down, packed2 = _expert_linear(w2, experts, cpu)
+        self.packed = packed13 or packed2  # packed kernels take fp32 activations
+
+    def __call__(self, x: torch.Tensor, router_logits: torch.Tensor, top_k: int,
+                 renormalize: bool) -> torch.Tensor:
+        dtype = _F32 if self.packed else x.dtype
+        weights, ids = route(router_logits, top_k, renormalize)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # by expert, pairs (so tokens) ascending
+        counts = torch.bincount(flat, minlength=self.experts).tolist()
+        tokens = order.div(top_k, rounding_mode="floor")
+        xs = x.index_select(0, tokens).to(dtype)
+        inter = self.inter
+        gate_up = torch.empty(xs.shape[0], 2 * inter, dtype=dtype)
+        y = torch.empty(xs.shape[0], x.shape[1], dtype=dtype)
+        picked = [(e, c) for e, c in enumerate(counts) if c]
+        start = 0
+        for e, c in picked:
+            self.gate_up(e, xs[start:start + c], gate_up[start:start + c])
+            start += c
+        h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        start = 0
+        for e, c in picked:
+            self.down(e, h[start:start + c], y[start:start + c])
+            start += c
+        out = torch.zeros(x.shape, dtype=_F32)
+        out.index_add_(0, tokens, y.float() * weights.reshape(-1)[order, None])
+        return out.to(x.dtype)
+
+
 def grouped_experts(x: torch.Tensor, router_logits: torch.Tensor, w13, w2, top_k: int,
                     renormalize: bool, cpu: CpuTuning | None = None) -> torch.Tensor:
-    """``moe(x, router_logits, w13, w2)`` in ``x``'s dtype (see the module docstring for
-    which experts give the reference's bits and which run packed)."""
-    cpu = cpu or CpuTuning()
-    experts = router_logits.shape[1]
-    gate_up_of, packed13 = _expert_linear(w13, experts, cpu)
-    down_of, packed2 = _expert_linear(w2, experts, cpu)
-    dtype = _F32 if packed13 or packed2 else x.dtype  # packed kernels take fp32 activations
-    weights, ids = route(router_logits, top_k, renormalize)
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # by expert, pairs (so tokens) ascending inside
-    counts = torch.bincount(flat, minlength=experts).tolist()
-    tokens = order.div(top_k, rounding_mode="floor")
-    xs = x.index_select(0, tokens).to(dtype)
-    pairs, inter = xs.shape[0], _rows(w13, experts) // 2
-    gate_up = torch.empty(pairs, 2 * inter, dtype=dtype)
-    y = torch.empty(pairs, x.shape[1], dtype=dtype)
-    picked = [(e, c) for e, c in enumerate(counts) if c]
-    start = 0
-    for e, c in picked:
-        gate_up_of(e, xs[start:start + c], gate_up[start:start + c])
-        start += c
-    h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    start = 0
-    for e, c in picked:
-        down_of(e, h[start:start + c], y[start:start + c])
-        start += c
-    out = torch.zeros(x.shape, dtype=_F32)
-    out.index_add_(0, tokens, y.float() * weights.reshape(-1)[order, None])
-    return out.to(x.dtype)
+    """``moe(x, router_logits, w13, w2)`` in ``x``'s dtype (:class:`GroupedExperts` once)."""
+    experts = GroupedExperts(w13, w2, router_logits.shape[1], cpu or CpuTuning())
+    return experts(x, router_logits, top_k, renormalize)
 
 
 def _rows(w, experts: int) -> int:
@@ -109,16 +120,10 @@ def _expert_linear(w, experts: int, cpu: CpuTuning) -> tuple[ExpertLinear, bool]
         return dense, False
     rows = w.shape[0] // experts
     first = w.narrow(0, 0, rows)
-    if cpu.bf16_quant_activations and packed_how(first, _F32, True,
-                                                 cpu.int8_group_kernel) != "dense":
-        forms = _packed_experts(w, cpu.int8_group_kernel)
-
+    groups = cpu.int8_group_kernel
+    if cpu.bf16_quant_activations and packed_how(first, _F32, True, groups) != "dense":
         def packed(e: int, a: torch.Tensor, out: torch.Tensor) -> None:
-            form = forms.get(e)
-            if form is None:
-                form = forms[e] = PackedLinear(w.narrow(0, e * rows, rows), _F32, True,
-                                               cpu.int8_group_kernel)
-            form.run(a, out)
+            packed_linear(w, _F32, True, groups, rows=(e * rows, rows)).run(a, out)
         return packed, True
     codes_ok = lib is not None and lib.takes_quantized(first)
 
@@ -137,41 +142,23 @@ def _expert_linear(w, experts: int, cpu: CpuTuning) -> tuple[ExpertLinear, bool]
     return dequantized, False
 
 
-# (id(codes), int8 groups) -> (a weak reference to the codes, {expert: packed form}); an entry
-# leaves with its codes.
-_PACKED: dict[tuple[int, bool], tuple[weakref.ref, dict[int, PackedLinear]]] = {}
-
-
-def _packed_experts(w: QuantizedWeight, int8_groups: bool) -> dict[int, PackedLinear]:
-    """The packed forms made so far of the experts of ``w`` (filled on first use)."""
-    key = (id(w.qdata), int8_groups)
-    hit = _PACKED.get(key)
-    if hit is not None and hit[0]() is w.qdata:
-        return hit[1]
-    forms: dict[int, PackedLinear] = {}
-    if hit is None:
-        weakref.finalize(w.qdata, _PACKED.pop, key, None)
-    _PACKED[key] = (weakref.ref(w.qdata), forms)
-    return forms
-
-
 def bind_moe(outs: Outs, x, router_logits, w13, w2, *, top_k, renormalize,
              tuning: Tuning | None = None) -> Thunk:
     out = outs[0]
-    cpu = (tuning or Tuning()).cpu
+    experts = GroupedExperts(w13, w2, router_logits.shape[1], (tuning or Tuning()).cpu)
 
     def run() -> None:
-        out.copy_(grouped_experts(x, router_logits, w13, w2, top_k, renormalize, cpu))
+        out.copy_(experts(x, router_logits, top_k, renormalize))
     return returning(run, out)
 
 
 def bind_moe_add_rms_norm(outs: Outs, x, router_logits, w13, w2, residual, weight, *, top_k,
                           renormalize, eps, tuning: Tuning | None = None) -> Thunk:
-    cpu = (tuning or Tuning()).cpu
+    experts = GroupedExperts(w13, w2, router_logits.shape[1], (tuning or Tuning()).cpu)
 
     def run() -> tuple:
-        moe = grouped_experts(x, router_logits, w13, w2, top_k, renormalize, cpu)
-        normed, summed = add_rms_norm_reference(moe, residual, weight, eps=eps)
+        normed, summed = add_rms_norm_reference(experts(x, router_logits, top_k, renormalize),
+                                                residual, weight, eps=eps)
         return tuple(_into(buf, r) for buf, r in zip(outs, (normed, summed)))
     return run
 

@@ -117,17 +117,18 @@ class PackedLinear:
             out2.addr_(x2.sum(1), self.offsets)
 
 
-# (id(codes tensor), dtype, bf16, int8 groups) -> (a weak reference to the codes, packed form);
-# an entry leaves with its codes.
-_CACHE: dict[tuple[int, torch.dtype, bool, bool], tuple[weakref.ref, PackedLinear]] = {}
+# (id(codes tensor), dtype, bf16, int8 groups, rows) -> (a weak reference to the codes, packed
+# form); an entry leaves with its codes.
+_CACHE: dict[tuple, tuple[weakref.ref, PackedLinear]] = {}
 
 
-def _forget(key: tuple[int, torch.dtype, bool, bool]) -> None:
+def _forget(key: tuple) -> None:
     _CACHE.pop(key, None)
 
 
 def packed_linear(w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True,
-                  int8_groups: bool = False) -> PackedLinear:
+                  int8_groups: bool = False, rows: tuple[int, int] | None = None
+                  ) -> PackedLinear:
     """``w`` packed for the CPU kernels at activation dtype ``dtype`` (made on first use).
 
     Args:
@@ -137,13 +138,16 @@ def packed_linear(w: QuantizedWeight, dtype: torch.dtype, bf16: bool = True,
             gives the exact dense copy.
         int8_groups: run int8 weights with group scales packed too
             (``CpuTuning.int8_group_kernel``; with ``bf16`` only).
+        rows: ``(start, length)``: only those rows of ``w``, packed and kept on their own (one
+            expert of stacked experts).
     """
-    key = (id(w.qdata), dtype, bf16, int8_groups)
+    key = (id(w.qdata), dtype, bf16, int8_groups, rows)
+    shape = tuple(w.shape) if rows is None else (rows[1], w.shape[1])
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is w.qdata and hit[1].source_perm is w.perm \
-            and (hit[1].n, hit[1].k) == tuple(w.shape):
+            and (hit[1].n, hit[1].k) == shape:
         return hit[1]
-    packed = PackedLinear(w, dtype, bf16, int8_groups)
+    packed = PackedLinear(w if rows is None else w.narrow(0, *rows), dtype, bf16, int8_groups)
     if hit is None:
         weakref.finalize(w.qdata, _forget, key)
     _CACHE[key] = (weakref.ref(w.qdata), packed)

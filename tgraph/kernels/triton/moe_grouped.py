@@ -57,7 +57,8 @@ def _grouped_gate_up_kernel(x_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_e
         token = pair // TOP_K
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < INTER
-        gate_rows = expert * (2 * INTER) + offs_n
+        gate_row0 = expert * (2 * INTER) + tl.program_id(1) * BLOCK_N
+        gate_rows = gate_row0 + tl.arange(0, BLOCK_N)
         acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
@@ -65,10 +66,8 @@ def _grouped_gate_up_kernel(x_ptr, order_ptr, blk_expert_ptr, blk_pos_ptr, blk_e
             a = tl.load(x_ptr + token[:, None] * stride_xt + offs_k[None, :],
                         mask=valid[:, None] & (offs_k < H)[None, :], other=0.0).to(DOT)
             if W_DESC:  # rows past the gate half read up rows: columns never stored
-                wg = w_desc.load([expert * (2 * INTER) + tl.program_id(1) * BLOCK_N, k0])
-                wu = w_desc.load([expert * (2 * INTER) + tl.program_id(1) * BLOCK_N + INTER,
-                                  k0])
-                wg, wu = wg.to(DOT), wu.to(DOT)
+                wg = w_desc.load([gate_row0, k0]).to(DOT)
+                wu = w_desc.load([gate_row0 + INTER, k0]).to(DOT)
             else:
                 wg = expert_tile(w_ptr, s_ptr, b_ptr, gate_rows, mask_n, k0, H, stride_w,
                                  stride_s, QUANT, KIND, NATIVE_FP8, ZERO, OFFSETS, QROWS, QCOLS,
