@@ -79,9 +79,15 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.n
             .swapaxes(1, 2).reshape(w.shape))
 
 
+# Every type the loader reads, as its refusals list them.
+ALL_TYPES = ("F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, "
+             "IQ4_XS")
+RANDOM_BLOCK_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS)
+
+
 def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Valid random blocks of a K-quant (every byte pattern is a valid code or scale; the fp16
-    super-block scales are finite, of both signs, some zero)."""
+    """Valid random blocks of a K-quant or IQ4 type (every byte pattern is a valid code or scale;
+    the fp16 super-block scales are finite, of both signs, some zero)."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     n = rows * cols // block
     data = rng.integers(0, 256, (n, size), dtype=np.uint8)
@@ -95,14 +101,21 @@ def random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> n
         data[:, 0:2], data[:, 2:4] = halves(2e-4), halves(2e-4)
     elif qtype == Q.Q6_K:  # codes, 16 int8 scales, d last
         data[:, 208:210] = halves(2e-4)
+    elif qtype == Q.Q2_K:  # 16 scale/min bytes, codes, d, dmin
+        data[:, 80:82], data[:, 82:84] = halves(5e-3), halves(5e-3)
+    elif qtype == Q.Q3_K:  # high-bit mask, codes, 12 bytes of 6-bit scales, d
+        data[:, 108:110] = halves(2e-4)
+    elif qtype in (Q.IQ4_NL, Q.IQ4_XS):  # d first (IQ4_XS: then 6-bit scales, codes)
+        data[:, 0:2] = halves(1e-4)
     else:
         raise ValueError(qtype)
     return data.reshape(rows, cols // block * size)
 
 
 def encode(w: np.ndarray, qtype: Q, rng: np.random.Generator) -> np.ndarray:
-    """A weight in a GGUF type: quantized by gguf-py, or random valid K-quant blocks."""
-    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    """A weight in a GGUF type: quantized by gguf-py, or random valid blocks of the types it
+    cannot quantize (the K-quants and IQ4)."""
+    if qtype in RANDOM_BLOCK_TYPES:
         return random_blocks(qtype, *w.shape, rng)
     return gguf.quants.quantize(w.astype(np.float32), qtype)
 
@@ -224,12 +237,33 @@ def _k_quants(name: str, shape: tuple) -> Q:
     return Q.Q5_K if "v_proj" in name or "up_proj" in name else Q.Q4_K
 
 
+def _fallbacks(name: str, shape: tuple) -> Q:
+    """The types llama.cpp writes into a K-quant file for rows that are not whole 256-value
+    super-blocks (a Q4_K_M of a model of hidden 896): Q5_0, Q5_1 and IQ4_NL."""
+    if "embed" in name or "lm_head" in name:
+        return Q.Q8_0
+    if "gate_proj" in name:
+        return Q.IQ4_NL
+    return Q.Q5_1 if "up_proj" in name or "o_proj" in name else Q.Q5_0
+
+
+def _low_bits(name: str, shape: tuple) -> Q:
+    """Q2_K / Q3_K / IQ4_XS, as Q2_K, Q3_K_M and IQ4_XS files mix them."""
+    if "embed" in name or "lm_head" in name:
+        return Q.IQ4_XS
+    if "q_proj" in name or "k_proj" in name or "up_proj" in name:
+        return Q.Q2_K
+    return Q.Q3_K if "down_proj" in name or "o_proj" in name else Q.IQ4_XS
+
+
 VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str, tuple], Q], str]] = {
     "llama": ("llama", {"tie_word_embeddings": False}, _mixed, "tiny"),
     "llama_tied_q4_1": ("llama", {"tie_word_embeddings": True},
                         lambda n, s: Q.Q8_0 if "embed" in n else Q.Q4_1, "tiny"),
     "llama_k_quants": ("llama", {"tie_word_embeddings": False, **K_SHAPES}, _k_quants, "tiny"),
     "qwen2": ("qwen2", {"tie_word_embeddings": False}, _mixed, "tiny"),
+    "qwen2_fallbacks": ("qwen2", {"tie_word_embeddings": False}, _fallbacks, "tiny"),
+    "llama_low_bits": ("llama", {"tie_word_embeddings": False, **K_SHAPES}, _low_bits, "tiny"),
     # transformers reads no head_dim from a qwen3 GGUF (it keeps Qwen3Config's 128): use 128,
     # which is not hidden / heads, so tgraph must read attention.key_length.
     "qwen3": ("qwen3", {"tie_word_embeddings": True, "head_dim": 128},
@@ -303,9 +337,8 @@ def test_repack_refuses_wrong_sizes_and_types() -> None:
     with pytest.raises(WeightLoadError, match=r"'w' \(Q4_0 \[4, 64\]\) has 216 bytes, "
                                               r"expected 144"):
         repack_blocks(data, Q.Q4_0, (4, 64), name="w")
-    with pytest.raises(WeightLoadError, match=r"'w' is Q2_K; supported types: F32, F16, BF16, "
-                                              r"Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K"):
-        repack_blocks(data, Q.Q2_K, (4, 256), name="w")
+    with pytest.raises(WeightLoadError, match=rf"'w' is TQ2_0; supported types: {ALL_TYPES}$"):
+        repack_blocks(data, Q.TQ2_0, (4, 256), name="w")
 
 
 # ----------------------------------------------------------------------------- header and config
@@ -467,8 +500,8 @@ def test_generate_command_takes_a_gguf_file(tiny_gguf: Callable,
 def test_unsupported_type_is_refused_before_any_weight_is_read(
         tmp_path: Path, vocab: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     hf = random_hf_model("llama", vocab_size=VOCAB, **K_SHAPES)
-    path = write_gguf(tmp_path / "q5_0.gguf", hf, vocab,
-                      lambda n, s: Q.Q5_0 if "down_proj" in n else Q.Q8_0)
+    path = write_gguf(tmp_path / "tq2_0.gguf", hf, vocab,
+                      lambda n, s: Q.TQ2_0 if "down_proj" in n else Q.Q8_0)
     import tgraph.io.gguf as gguf_io
 
     def no_reads(*args: Any) -> None:
@@ -478,8 +511,8 @@ def test_unsupported_type_is_refused_before_any_weight_is_read(
     with pytest.raises(WeightLoadError) as err:
         GGUFLoader(path, gguf_model_config(path))
     message = str(err.value)
-    assert "'blk.0.ffn_down.weight' (Q5_0 [256, 512])" in message
-    assert "supported types: F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K" in message
+    assert "'blk.0.ffn_down.weight' (TQ2_0 [256, 512])" in message
+    assert f"supported types: {ALL_TYPES}" in message
     monkeypatch.undo()
     assert main(["check-model", str(path)]) == 1
 

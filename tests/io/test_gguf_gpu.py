@@ -1,5 +1,5 @@
-"""GGUF's quantized types on a GPU: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K weights, repacked at load
-into tgraph's layouts (bit-exact, tests/io/test_gguf.py), run by the quantized kernels: the
+"""GGUF's quantized types on a GPU: every type of ``QUANTIZED_TYPES`` (Q4_0 to IQ4_XS), repacked at
+load into tgraph's layouts (bit-exact, tests/io/test_gguf.py), run by the quantized kernels: the
 one-row and tensor-core GEMVs (M = 1, 16) with a fused norm, and the prefill GEMM (M = 300),
 against the dense product of the same dequantized weights.
 

@@ -54,7 +54,8 @@ def _quantized(w13, w2, **scheme):
 
 
 SCHEMES = [dict(kind="int4", group_size=32), dict(kind="int4", group_size=32, offsets=True),
-           dict(kind="int8"), dict(kind="int8", group_size=16), dict(kind="fp8")]
+           dict(kind="int8"), dict(kind="int8", group_size=16), dict(kind="fp8"),
+           dict(kind="int4", group_size=16, offsets=True)]  # GGUF Q2_K
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)

@@ -113,6 +113,7 @@ def test_grouped_matches_the_reference(dtype, t, top_k, renormalize, tma):
 QUANT_SCHEMES = {
     "int4-g32": dict(kind="int4", group_size=32),
     "int4-g32-offsets": dict(kind="int4", group_size=32, offsets=True),
+    "int4-g16-offsets": dict(kind="int4", group_size=16, offsets=True),  # GGUF Q2_K
     "int8-channel": dict(kind="int8"),
     "fp8-channel": dict(kind="fp8"),
 }

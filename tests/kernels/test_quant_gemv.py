@@ -28,6 +28,7 @@ from tgraph.tuning import GemvTuning, QuantGemvTuning
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 LAYOUTS = [("int4", 32, False, None), ("int4", 64, True, None), ("int4", None, False, None),
+           ("int4", 16, True, None),
            ("int8", 32, False, None), ("int8", 16, True, None), ("fp8", None, False, None),
            ("fp8", None, False, (32, 64))]
 

@@ -9,9 +9,11 @@ dims are listed fastest-first, so a ``[K, N]`` GGUF tensor is torch's ``[N, K]``
   mixture-of-experts Qwen2-MoE, Qwen3-MoE or Mixtral file (:mod:`tgraph.io.gguf_moe`), to the
   Hugging Face config dict the families' builders read.
 - :class:`GGUFLoader` reads the tensors under their Hugging Face names. F32/F16/BF16 tensors
-  read as they are; ``Q4_0``, ``Q4_1``, ``Q8_0``, ``Q4_K``, ``Q5_K`` and ``Q6_K`` are repacked
-  (:func:`repack_blocks`) into :mod:`tgraph.quant` layouts whose ``dequantize()`` is bit-identical
-  to ``gguf.quants.dequantize``; every other type is refused before any weight is read. A
+  read as they are; the quantized types of :data:`~tgraph.io.gguf_blocks.QUANTIZED_TYPES`
+  (``Q4_0`` to ``Q8_0``, ``Q2_K`` to ``Q6_K``, ``IQ4_NL``, ``IQ4_XS``) are repacked
+  (:func:`~tgraph.io.gguf_blocks.repack_blocks`) into :mod:`tgraph.quant` layouts whose
+  ``dequantize()`` is bit-identical to ``gguf.quants.dequantize``; every other type is refused
+  before any weight is read. A
   MoE file's stacked experts read one expert at a time, under the per-expert names.
 - llama.cpp's converter permutes the q and k rows of Llama-architecture models (for its
   interleaved rotary); the loader undoes it, on quantized rows too (rows move whole).
@@ -38,6 +40,12 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from tgraph.errors import ConfigError, WeightLoadError
+from tgraph.io.gguf_blocks import (
+    DENSE_TYPES,
+    QUANTIZED_TYPES,
+    SUPPORTED_TYPES,
+    repack_blocks,
+)
 from tgraph.io.gguf_moe import (
     MIXTRAL_ARCHITECTURE,
     MOE_ARCHITECTURES,
@@ -47,25 +55,14 @@ from tgraph.io.gguf_moe import (
 )
 from tgraph.io.model_config import ModelConfig
 from tgraph.io.weights import Index, WeightLoader
-from tgraph.quant import QuantizedWeight, QuantScheme
+from tgraph.quant import QuantizedWeight
+
+Q = GGMLQuantizationType
 
 __all__ = ["DENSE_TYPES", "GGUFHeader", "GGUFLoader", "GGUFTensorInfo", "QUANTIZED_TYPES",
            "SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "gguf_model_config", "gguf_to_hf_name",
            "hf_config_of", "read_gguf_header", "repack_blocks"]
 
-Q = GGMLQuantizationType
-DENSE_TYPES: dict[Q, torch.dtype] = {Q.F32: torch.float32, Q.F16: torch.float16,
-                                     Q.BF16: torch.bfloat16}
-# ggml type -> the tgraph layout it is repacked into (exactly; see repack_blocks).
-QUANTIZED_TYPES: dict[Q, QuantScheme] = {
-    Q.Q4_0: QuantScheme("int4", (1, 32)),
-    Q.Q4_1: QuantScheme("int4", (1, 32), offsets=True),
-    Q.Q8_0: QuantScheme("int8", (1, 32)),
-    Q.Q4_K: QuantScheme("int4", (1, 32), offsets=True),
-    Q.Q5_K: QuantScheme("int8", (1, 32), offsets=True),
-    Q.Q6_K: QuantScheme("int8", (1, 16)),
-}
-SUPPORTED_TYPES = tuple(t.name for t in (*DENSE_TYPES, *QUANTIZED_TYPES))
 # general.architecture -> (HF model_type, HF architecture class).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("llama", "LlamaForCausalLM"),
@@ -512,130 +509,6 @@ def _fit_llama3(path: Path, factors: np.ndarray, dim: int, theta: float,
     raise ConfigError(f"'{path}': rope_freqs.weight holds rope factors that match no Llama 3 "
                       "rope scaling (low_freq_factor 1, high_freq_factor 4); other per-frequency "
                       "factors are not supported")
-
-
-# ---------------------------------------------------------------------------------- repacking
-def _f16(b: np.ndarray) -> np.ndarray:
-    """``(n, 2)`` uint8 little-endian halves -> ``(n,)`` fp32."""
-    return np.ascontiguousarray(b).view(np.float16)[:, 0].astype(np.float32)
-
-
-def _pack_int4(codes: np.ndarray) -> np.ndarray:
-    """``(n, 2m)`` codes in [0, 15] -> ``(n, m)`` bytes, the even column in the low nibble."""
-    return codes[:, 0::2] | (codes[:, 1::2] << np.uint8(4))
-
-
-def _nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:
-    """GGUF 4-bit codes of ``(n, bytes)``: each ``chunk`` bytes hold ``chunk`` values in their
-    low nibbles, then the next ``chunk`` values in their high nibbles."""
-    n = qs.shape[0]
-    q = qs.reshape(n, -1, 1, chunk) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return (q & np.uint8(0x0F)).reshape(n, -1)
-
-
-def _k_scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 8 six-bit scales and mins of a Q4_K / Q5_K super-block (12 bytes), as ggml packs them."""
-    n = scales.shape[0]
-    d, m, m_d = np.split(scales.reshape(n, 3, 4), 3, axis=-2)
-    sc = np.concatenate([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], axis=-1)
-    return sc.reshape(n, 8).astype(np.float32), mn.reshape(n, 8).astype(np.float32)
-
-
-def _repack_q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-    return _pack_int4(_nibbles(b[:, 2:], 16)), _f16(b[:, 0:2])[:, None], None
-
-
-def _repack_q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    # w = d * q + m
-    return _pack_int4(_nibbles(b[:, 4:], 16)), _f16(b[:, 0:2])[:, None], _f16(b[:, 2:4])[:, None]
-
-
-def _repack_q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-    return np.ascontiguousarray(b[:, 2:]).view(np.int8), _f16(b[:, 0:2])[:, None], None
-
-
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    # w = (d * sc) * q - (dmin * m), per 32 values
-    sc, mn = _k_scale_min(b[:, 4:16])
-    return _f16(b[:, 0:2])[:, None] * sc, -(_f16(b[:, 2:4])[:, None] * mn)
-
-
-def _repack_q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    scale, offset = _k_scales(b)
-    return _pack_int4(_nibbles(b[:, 16:], 32)), scale, offset
-
-
-def _repack_q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    scale, offset = _k_scales(b)
-    n = b.shape[0]
-    low = _nibbles(b[:, 48:], 32)
-    bits = b[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-    high = (bits & np.uint8(1)).reshape(n, -1)
-    return (low | (high << np.uint8(4))).view(np.int8), scale, offset
-
-
-def _repack_q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
-    # w = (d * scale) * (q - 32), per 16 values
-    n = b.shape[0]
-    low = _nibbles(b[:, :128], 64)
-    bits = b[:, 128:192].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
-        1, 1, 4, 1)
-    high = (bits & np.uint8(3)).reshape(n, -1)
-    codes = (low | (high << np.uint8(4))).view(np.int8) - np.int8(32)
-    scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
-    return codes, _f16(b[:, 208:210])[:, None] * scales, None
-
-
-_REPACK = {Q.Q4_0: _repack_q4_0, Q.Q4_1: _repack_q4_1, Q.Q8_0: _repack_q8_0,
-           Q.Q4_K: _repack_q4_k, Q.Q5_K: _repack_q5_k, Q.Q6_K: _repack_q6_k}
-
-
-def repack_blocks(data: np.ndarray, ggml_type: Q, shape: Sequence[int],
-                  rows: np.ndarray | None = None, dtype: torch.dtype = torch.float32,
-                  name: str = "weight") -> QuantizedWeight:
-    """GGUF blocks of a ``[N, K]`` weight as a :class:`QuantizedWeight`, exactly.
-
-    Each type keeps its own arithmetic in fp32 (scales are fp16 values or products of an fp16 and
-    a small integer, exact in fp32), so ``dequantize()`` equals ``gguf.quants.dequantize`` bit for
-    bit: ``Q4_0`` -> int4 sym g32 (``d * (q - 8)``); ``Q4_1`` -> int4 g32 with offsets
-    (``d * q + m``); ``Q8_0`` -> int8 sym g32; ``Q4_K`` -> int4 g32 with offsets
-    (``(d * sc) * q - dmin * m``); ``Q5_K`` -> int8 g32 with offsets (5-bit codes); ``Q6_K`` ->
-    int8 sym g16 (codes ``q - 32``).
-
-    Args:
-        data: the tensor's bytes, ``uint8`` (any shape holding ``N * K / block * type_size``).
-        ggml_type: one of :data:`QUANTIZED_TYPES`.
-        shape: the logical ``[N, K]``.
-        rows: optional row order (``out[i] = in[rows[i]]``), e.g. to undo a permutation.
-        dtype: the logical (compute) dtype of the weight.
-        name: the weight's name, for errors.
-
-    Returns:
-        The weight, on the CPU.
-
-    Raises:
-        WeightLoadError: an unsupported type, or data of the wrong size.
-    """
-    if ggml_type not in _REPACK:
-        raise WeightLoadError(f"tensor '{name}' is {getattr(ggml_type, 'name', ggml_type)}; "
-                              f"supported types: {', '.join(SUPPORTED_TYPES)}")
-    n, k = (int(s) for s in shape)
-    block, type_size = GGML_QUANT_SIZES[ggml_type]
-    want = n * k // block * type_size
-    if k % block or data.size != want:
-        raise WeightLoadError(f"tensor '{name}' ({ggml_type.name} [{n}, {k}]) has {data.size} "
-                              f"bytes, expected {want}")
-    blocks = data.reshape(n * (k // block), type_size)
-    qdata, scale, offset = _REPACK[ggml_type](blocks)
-    scheme = QUANTIZED_TYPES[ggml_type]
-    group = scheme.block[1]
-    parts = [qdata.reshape(n, -1), scale.reshape(n, k // group),
-             None if offset is None else offset.reshape(n, k // group)]
-    if rows is not None:
-        parts = [None if p is None else p[rows] for p in parts]
-    qt, st, ot = (None if p is None else torch.from_numpy(np.ascontiguousarray(p)) for p in parts)
-    return QuantizedWeight(scheme, qt, st, ot, dtype, name)
 
 
 def _unpermute_rows(rows: int, heads: int) -> np.ndarray:
