@@ -36,6 +36,7 @@ from tgraph.io.gguf import (
     GGUFLoader,
     gguf_model_config,
     read_gguf_header,
+    read_gguf_model,
     repack_blocks,
 )
 from tgraph.runtime.llm import LLM
@@ -172,7 +173,8 @@ def add_tokenizer(w: Any, vocab: dict[str, Any]) -> None:
 
 def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str, tuple], Q],
                arch: str | None = None, name: str = "tiny", extra: dict[str, Any] | None = None,
-               extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+               extra_tensors: dict[str, np.ndarray] | None = None,
+               split_max_tensors: int = 0) -> Path:
     """Write ``hf`` as llama.cpp would (names, metadata, q/k permutation, tokenizer).
 
     Args:
@@ -180,10 +182,13 @@ def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str,
         arch: general.architecture (default: the family's).
         extra: metadata to add ({key: value}, e.g. a rope scaling type).
         extra_tensors: F32 tensors to add by GGUF name (e.g. ``rope_freqs.weight``).
+        split_max_tensors: split the model into parts of this many tensors, as llama.cpp's
+            gguf-split does (``path`` then names no file: the parts are
+            ``STEM-00001-of-0000N.gguf`` beside it).
     """
     c = hf.config
     arch = arch or {"mistral": "llama"}.get(c.model_type, c.model_type)
-    w = gguf.GGUFWriter(str(path), arch)
+    w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     add_model_metadata(w, c, arch, name)
     for key, value in (extra or {}).items():
         if isinstance(value, str):
@@ -547,10 +552,43 @@ def test_unknown_architecture_is_refused(tmp_path: Path, vocab: dict[str, Any],
     assert "'gpt2' is not supported" in capsys.readouterr().out
 
 
-def test_split_files_are_refused(tmp_path: Path, vocab: dict[str, Any]) -> None:
+def test_a_split_model_reads_whole_from_any_part(tmp_path: Path, tiny_gguf: Callable,
+                                                 vocab: dict[str, Any]) -> None:
+    """llama.cpp's gguf-split parts: metadata in the first, tensors spread over all; any part
+    names the model, which decodes as the whole file does."""
+    whole, ref = tiny_gguf("llama")
+    family, overrides, types, name = VARIANTS["llama"]
+    hf = random_hf_model(family, seed=3, vocab_size=VOCAB, bos_token_id=vocab["bos"],
+                         eos_token_id=vocab["eos"], **overrides)
+    write_gguf(tmp_path / "tiny.gguf", hf, vocab, types, name=name, split_max_tensors=8)
+    parts = sorted(tmp_path.glob("tiny-*-of-*.gguf"))
+    assert len(parts) >= 3 and not (tmp_path / "tiny.gguf").exists()
+    header = read_gguf_model(parts[1])
+    assert header.parts == tuple(parts) and header.path == parts[0]
+    assert set(header.tensors) == set(read_gguf_header(whole).tensors)
+    assert {t.file for t in header.tensors.values()} == set(parts)
+    assert gguf_model_config(parts[-1]).hf_config == gguf_model_config(whole).hf_config
+    want = hf_greedy(ref, PROMPTS, STEPS)
+    for part in (parts[0], parts[-1]):
+        llm = LLM(part, device="cpu", dtype="float32", max_model_len=64, num_blocks=64,
+                  block_size=4, **EXACT_CPU_QUANT)
+        assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == want
+    assert main(["check-model", str(parts[1])]) == 0
+
+
+def test_a_split_model_with_a_part_missing_or_misnamed_is_refused(
+        tmp_path: Path, vocab: dict[str, Any]) -> None:
     hf = random_hf_model("llama", vocab_size=VOCAB)
-    path = write_gguf(tmp_path / "m-00001-of-00002.gguf", hf, vocab, lambda n, s: Q.F32,
-                      extra={"split.no": 0, "split.count": 2})
-    with pytest.raises(ConfigError, match=r"part 1 of a GGUF split in 2 files; tgraph reads "
-                                          r"single-file GGUF models"):
-        gguf_model_config(path)
+    write_gguf(tmp_path / "m.gguf", hf, vocab, lambda n, s: Q.F32, split_max_tensors=10)
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    count = len(parts)
+    parts[1].rename(tmp_path / "other.gguf")
+    with pytest.raises(WeightLoadError, match=rf"split in {count} files; missing beside it: "
+                                              rf"m-00002-of-0000{count}\.gguf"):
+        gguf_model_config(parts[0])
+    with pytest.raises(WeightLoadError, match=r"'.*other\.gguf' is one part of a GGUF model split "
+                                              r"in \d files, but its name does not follow"):
+        gguf_model_config(tmp_path / "other.gguf")
+    (tmp_path / "other.gguf").rename(parts[2].with_name("m-00002-of-00002.gguf"))
+    with pytest.raises(WeightLoadError, match="does not follow"):  # the count disagrees
+        gguf_model_config(parts[2].with_name("m-00002-of-00002.gguf"))

@@ -107,6 +107,9 @@ def load_tokenizer(path: str | Path) -> Any:
     from transformers import AutoTokenizer
 
     if is_gguf(p):
+        from tgraph.io.gguf import gguf_parts
+
+        p = gguf_parts(p)[0]  # a split model's vocabulary is in its first part
         try:
             return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
                                                  trust_remote_code=False)

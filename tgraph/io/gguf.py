@@ -15,6 +15,9 @@ dims are listed fastest-first, so a ``[K, N]`` GGUF tensor is torch's ``[N, K]``
   ``dequantize()`` is bit-identical to ``gguf.quants.dequantize``; every other type is refused
   before any weight is read. A
   MoE file's stacked experts read one expert at a time, under the per-expert names.
+- A model split by llama.cpp's ``gguf-split`` (``NAME-00001-of-00003.gguf`` ...) is read whole
+  from any of its parts (:func:`read_gguf_model`): the first part's metadata, every part's
+  tensors.
 - llama.cpp's converter permutes the q and k rows of Llama-architecture models (for its
   interleaved rotary); the loader undoes it, on quantized rows too (rows move whole).
 
@@ -61,7 +64,8 @@ Q = GGMLQuantizationType
 
 __all__ = ["DENSE_TYPES", "GGUFHeader", "GGUFLoader", "GGUFTensorInfo", "QUANTIZED_TYPES",
            "SUPPORTED_ARCHITECTURES", "SUPPORTED_TYPES", "gguf_model_config", "gguf_to_hf_name",
-           "hf_config_of", "read_gguf_header", "repack_blocks"]
+           "gguf_parts", "hf_config_of", "read_gguf_header", "read_gguf_model",
+           "repack_blocks"]
 
 # general.architecture -> (HF model_type, HF architecture class).
 SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
@@ -74,6 +78,8 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute).
 _PERMUTED_ARCHITECTURES = ("llama", "mistral")
 _GGUF_VERSIONS = (2, 3)
+# A part of a split model, as llama.cpp's gguf-split names it: NAME-00001-of-00003.gguf.
+_PART_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})(\.gguf)", re.IGNORECASE)
 _DEFAULT_ALIGNMENT = 32
 # Tensors the config consumes (Llama 3 rope factors): not weights of the model.
 _CONFIG_TENSORS = ("rope_freqs.weight",)
@@ -135,6 +141,7 @@ class GGUFTensorInfo:
         ggml_type: the storage type (an int when the ``gguf`` package does not know it).
         offset: absolute byte offset of the data in the file.
         nbytes: size of the data (-1 for a type the ``gguf`` package does not know).
+        file: the file holding the data (one part of a split model).
     """
 
     name: str
@@ -142,6 +149,7 @@ class GGUFTensorInfo:
     ggml_type: Q | int
     offset: int
     nbytes: int
+    file: Path | None = None
 
     @property
     def type_name(self) -> str:
@@ -170,12 +178,13 @@ class GGUFHeader:
     """The metadata and tensor table of a GGUF file (no tensor data).
 
     Attributes:
-        path: the file.
+        path: the file (of a split model, its first part).
         version: the GGUF version (2 or 3).
         metadata: key -> value; numeric arrays are numpy arrays, string arrays
             :class:`SkippedStrings`.
         tensors: GGUF name -> :class:`GGUFTensorInfo`, in file order.
-        file_size: the file's size in bytes.
+        file_size: the file's size in bytes (of a split model, all parts').
+        parts: the files read (one, or every part of a split model in order).
     """
 
     path: Path
@@ -183,6 +192,15 @@ class GGUFHeader:
     metadata: dict[str, Any]
     tensors: dict[str, GGUFTensorInfo]
     file_size: int
+    parts: tuple[Path, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.parts = self.parts or (self.path,)
+
+    @property
+    def split_count(self) -> int:
+        """How many files the model is split into (llama.cpp's ``split.count``; 1 if whole)."""
+        return int(self.metadata.get("split.count", 1))
 
     @property
     def architecture(self) -> str:
@@ -219,6 +237,65 @@ def read_gguf_header(path: str | Path) -> GGUFHeader:
             except (struct.error, UnicodeDecodeError, OverflowError) as err:
                 raise WeightLoadError(f"'{path}': the GGUF header is truncated or corrupt "
                                       f"({err})") from err
+
+
+def gguf_parts(path: str | Path) -> list[Path]:
+    """The files of the GGUF model ``path`` belongs to: ``[path]`` for a whole model; every part
+    of a split one (llama.cpp's ``gguf-split`` names them ``NAME-00001-of-00003.gguf``), in
+    order, whichever part ``path`` names.
+
+    Raises:
+        WeightLoadError: a split model whose parts are not named that way, or a part missing.
+    """
+    path = Path(path)
+    count = read_gguf_header(path).split_count
+    if count <= 1:
+        return [path]
+    m = _PART_NAME.fullmatch(path.name)
+    if m is None or int(m[3]) != count:
+        raise WeightLoadError(f"'{path}' is one part of a GGUF model split in {count} files, but "
+                              f"its name does not follow llama.cpp's NAME-00001-of-{count:05d}.gguf"
+                              ", so the other parts cannot be found")
+    parts = [path.with_name(f"{m[1]}-{i:05d}-of-{m[3]}{m[4]}") for i in range(1, count + 1)]
+    missing = [p.name for p in parts if not p.is_file()]
+    if missing:
+        raise WeightLoadError(f"'{path}' is one part of a GGUF model split in {count} files; "
+                              f"missing beside it: {', '.join(missing)}")
+    return parts
+
+
+def read_gguf_model(path: str | Path) -> GGUFHeader:
+    """The header of the GGUF model ``path`` belongs to: :func:`read_gguf_header` for a whole
+    file; for a split model (any part named), the first part's metadata and every part's tensor
+    table (each entry names its file), checked to add up to the model.
+
+    Raises:
+        WeightLoadError: as :func:`read_gguf_header` for any part, a part missing, or parts that
+            disagree (their number, their order, a tensor in two parts, a tensor count that does
+            not match ``split.tensors.count``).
+    """
+    parts = gguf_parts(path)
+    headers = [read_gguf_header(p) for p in parts]
+    if len(headers) == 1:
+        return headers[0]
+    tensors: dict[str, GGUFTensorInfo] = {}
+    for i, header in enumerate(headers):
+        no, count = int(header.metadata.get("split.no", -1)), header.split_count
+        if (no, count) != (i, len(parts)):
+            raise WeightLoadError(f"'{header.path}' says it is part {no + 1} of {count}; expected "
+                                  f"part {i + 1} of {len(parts)}")
+        for name, info in header.tensors.items():
+            if name in tensors:
+                raise WeightLoadError(f"tensor '{name}' is in both '{tensors[name].file}' and "
+                                      f"'{header.path}'")
+            tensors[name] = info
+    first = headers[0]
+    want = int(first.metadata.get("split.tensors.count", len(tensors)))
+    if want != len(tensors):
+        raise WeightLoadError(f"'{first.path}': the {len(parts)} parts hold {len(tensors)} "
+                              f"tensors; split.tensors.count says {want}")
+    return GGUFHeader(first.path, first.version, first.metadata, tensors,
+                      sum(h.file_size for h in headers), tuple(parts))
 
 
 def _parse_header(path: Path, blob: mmap.mmap, size: int) -> GGUFHeader:
@@ -278,7 +355,7 @@ def _tensor_info(path: Path, name: str, dims: Sequence[int], raw_type: int, offs
             raise WeightLoadError(
                 f"'{path}': tensor '{name}' ({ggml_type.name} {list(shape)}) needs bytes "
                 f"{offset}..{offset + nbytes} but the file ends at {size}: the file is truncated")
-    return GGUFTensorInfo(name, shape, ggml_type, offset, nbytes)
+    return GGUFTensorInfo(name, shape, ggml_type, offset, nbytes, path)
 
 
 def _read_string(blob: mmap.mmap, pos: int) -> tuple[str, int]:
@@ -343,7 +420,7 @@ def gguf_model_config(path: str | Path) -> ModelConfig:
         ConfigError: an unsupported architecture (the supported ones are listed) or missing keys.
         WeightLoadError: the file is not a readable GGUF file.
     """
-    header = read_gguf_header(path)
+    header = read_gguf_model(path)
     return ModelConfig.from_dict(hf_config_of(header), source=str(path))
 
 
@@ -355,10 +432,10 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
             supported rope scaling, or stacked experts whose shape disagrees with the metadata.
     """
     meta, tensors, arch = header.metadata, header.tensors, header.architecture
-    if int(meta.get("split.count", 1)) > 1:
-        raise ConfigError(f"'{header.path}' is part {int(meta.get('split.no', 0)) + 1} of a GGUF "
-                          f"split in {int(meta['split.count'])} files; tgraph reads single-file "
-                          "GGUF models (merge the parts with llama.cpp's llama-gguf-split --merge)")
+    if len(header.parts) != header.split_count:
+        raise ConfigError(f"'{header.path}' is one part of a GGUF model split in "
+                          f"{header.split_count} files: read the whole model's header with "
+                          "read_gguf_model")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ConfigError(f"'{header.path}': GGUF architecture {arch!r} is not supported; "
                           f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -543,15 +620,15 @@ class GGUFLoader(WeightLoader):
                  dtype: torch.dtype | None = None, rank: int = 0, world_size: int = 1,
                  progress: bool | None = None) -> None:
         super().__init__(device, dtype, rank, world_size, progress)
-        self.path = Path(path)
-        self.header = read_gguf_header(self.path)
+        self.header = read_gguf_model(path)
+        self.path = self.header.path
         arch = self.header.architecture
         if arch not in SUPPORTED_ARCHITECTURES:
             raise WeightLoadError(f"'{self.path}': GGUF architecture {arch!r} is not supported; "
                                   f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         permuted = arch in _PERMUTED_ARCHITECTURES
         self._model_type = config.model_type
-        self._handle: BinaryIO | None = None
+        self._handles: dict[Path, BinaryIO] = {}
         self._infos: dict[str, GGUFTensorInfo] = {}
         self._heads: dict[str, int] = {}  # names whose rows llama.cpp permuted -> head count
         refused = []
@@ -582,10 +659,11 @@ class GGUFLoader(WeightLoader):
                 self.register_quantized(name, info.shape, partial(self._build, name, info))
 
     # ------------------------------------------------------------------------------ reads
-    def _file(self) -> BinaryIO:
-        if self._handle is None:
-            self._handle = self.path.open("rb")
-        return self._handle
+    def _file(self, info: GGUFTensorInfo) -> BinaryIO:
+        path = info.file or self.path
+        if path not in self._handles:
+            self._handles[path] = path.open("rb")
+        return self._handles[path]
 
     def _row_order(self, name: str, rows: int) -> np.ndarray | None:
         heads = self._heads.get(name)
@@ -608,7 +686,7 @@ class GGUFLoader(WeightLoader):
                                    meta(n, groups, dtype=torch.float32),
                                    meta(n, groups, dtype=torch.float32) if scheme.offsets
                                    else None, dtype, name)
-        data = _read_bytes(self._file(), info, self.path)
+        data = _read_bytes(self._file(info), info, info.file or self.path)
         return repack_blocks(data, info.ggml_type, info.shape, self._row_order(name, n), dtype,
                              name)
 
@@ -621,7 +699,7 @@ class GGUFLoader(WeightLoader):
         if self.device.type == "meta":
             t = torch.empty(info.shape, dtype=dtype, device="meta")
         else:
-            raw = _read_bytes(self._file(), info, self.path)
+            raw = _read_bytes(self._file(info), info, info.file or self.path)
             t = torch.from_numpy(raw).view(dtype).reshape(info.shape)
             order = self._row_order(name, info.shape[0])
             if order is not None:
@@ -638,11 +716,12 @@ class GGUFLoader(WeightLoader):
             return self._read(name, (slice(start, stop),))  # refuses with the type's name
         rows = info.shape[0]
         row_bytes = info.nbytes // rows
-        handle = self._file()
+        handle = self._file(info)
         handle.seek(info.offset + start * row_bytes)
         buf = np.empty((stop - start) * row_bytes, dtype=np.uint8)
         if handle.readinto(buf) != buf.size:
-            raise WeightLoadError(f"'{self.path}': tensor {info.describe()} is cut off")
+            raise WeightLoadError(f"'{info.file or self.path}': tensor {info.describe()} is cut "
+                                  "off")
         return torch.from_numpy(buf).view(dtype).reshape(stop - start, *info.shape[1:])
 
     # ------------------------------------------------------------------------- hook impls
@@ -656,7 +735,9 @@ class GGUFLoader(WeightLoader):
         return self._infos[name].shape
 
     def _describe_sources(self) -> str:
-        return f"{self.path} (GGUF, {len(self.header.tensors)} tensors)"
+        parts = len(self.header.parts)
+        split = f" in {parts} files" if parts > 1 else ""
+        return f"{self.path} (GGUF, {len(self.header.tensors)} tensors{split})"
 
     def _missing_message(self, name: str) -> str:
         msg = super()._missing_message(name)
@@ -676,7 +757,7 @@ class GGUFLoader(WeightLoader):
 
     def close(self) -> None:
         """Close the file and the progress bar."""
-        if self._handle is not None:
-            self._handle.close()
-            self._handle = None
+        for handle in self._handles.values():
+            handle.close()
+        self._handles.clear()
         super().close()
