@@ -234,6 +234,39 @@ def test_invalid_fields_are_400_naming_the_field(client: Any) -> None:
         assert field in err.value.body["message"]
 
 
+def test_what_the_server_does_not_do_is_400_naming_the_field(client: Any) -> None:
+    """Tools, structured output, guided decoding, suffixes, best_of and image parts are refused,
+    not answered as if the request had not asked; their empty values are accepted."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    hi = [{"role": "user", "content": "hi"}]
+    image = [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                          {"type": "image_url",
+                                           "image_url": {"url": "data:image/png;base64,AA=="}}]}]
+    refused = [
+        (dict(messages=hi, tools=[tool]), "tools", "tool calls"),
+        (dict(messages=hi, tool_choice="required"), "tool_choice", "tool calls"),
+        (dict(messages=hi, response_format={"type": "json_object"}), "response_format",
+         "structured output"),
+        (dict(messages=hi, extra_body={"guided_json": {"type": "object"}}), "guided_json",
+         "guided decoding"),
+        (dict(messages=image), "messages", "'image_url'"),
+    ]
+    for kwargs, field, what in refused:
+        with pytest.raises(openai.BadRequestError) as err:
+            client.chat.completions.create(model=MODEL, max_tokens=2, **kwargs)
+        assert err.value.body["param"] == field, err.value.body
+        assert what in err.value.body["message"], err.value.body
+    for kwargs, field in ((dict(suffix=" end"), "suffix"), (dict(best_of=3), "best_of")):
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **kwargs)
+        assert err.value.body["param"] == field, err.value.body
+    out = client.chat.completions.create(model=MODEL, messages=hi, max_tokens=2, tools=[],
+                                         tool_choice="none", response_format={"type": "text"})
+    assert out.choices[0].message.content is not None
+    out = client.completions.create(model=MODEL, prompt="hi", max_tokens=2, best_of=1, suffix="")
+    assert out.choices[0].text is not None
+
+
 def test_too_long_prompt_is_400(client: Any) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.completions.create(model=MODEL, prompt=list(range(1, 200)), max_tokens=4)

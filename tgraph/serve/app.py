@@ -209,6 +209,7 @@ def build_app(llm: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Any:
         authorize(request)
+        body.check_supported()
         lora = adapter_of(body.model)
         admit()
         prompts = body.prompts()
@@ -242,6 +243,7 @@ def build_app(llm: Any, config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Any:
         authorize(request)
+        body.check_supported()
         lora = adapter_of(body.model)
         admit()
         ids = _chat_ids(llm, body)

@@ -1,10 +1,13 @@
 """The OpenAI request bodies tgraph serves, checked field by field, and their sampling parameters.
 
 Unknown fields are ignored (clients send many); known fields of the wrong type or out of range
-are refused with an OpenAI-style 400 naming the field (:class:`APIError`).
+are refused with an OpenAI-style 400 naming the field (:class:`APIError`), and so are the fields
+that ask for what tgraph does not do (tools, structured output, suffixes, non-text content parts:
+:meth:`_Request.check_supported`), rather than answered as if the request had not asked.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,8 +33,36 @@ class APIError(Exception):
                           "code": self.code}}
 
 
+def _none(value: Any) -> bool:
+    return value is None
+
+
+def _empty(value: Any) -> bool:
+    return not value
+
+
+# Fields of the OpenAI API (and vLLM's guided decoding) that change what is generated and that
+# tgraph does not implement: what they ask for, and which values ask for nothing.
+_UNSUPPORTED: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "tools": ("tool calls", _empty),
+    "tool_choice": ("tool calls", lambda v: v in (None, "none", "auto")),
+    "functions": ("function calls", _empty),
+    "function_call": ("function calls", lambda v: v in (None, "none", "auto")),
+    "response_format": ("structured output (JSON mode, JSON schema)",
+                        lambda v: v is None or v == {"type": "text"}),
+    "guided_json": ("guided decoding", _none),
+    "guided_regex": ("guided decoding", _none),
+    "guided_choice": ("guided decoding", _none),
+    "guided_grammar": ("guided decoding", _none),
+    "structured_outputs": ("guided decoding", _none),
+    "suffix": ("insertion (a suffix after the completion)", _empty),
+    "modalities": ("output other than text", lambda v: v in (None, ["text"])),
+    "audio": ("audio output", _none),
+}
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # kept to be checked (check_supported), else unused
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -53,6 +84,17 @@ class _Request(BaseModel):
     allowed_token_ids: list[int] | None = None  # extension (as vLLM's): the only tokens allowed
     return_token_ids: bool = False  # extension: token ids in every choice and chunk
     user: str | None = None
+
+    def check_supported(self) -> None:
+        """Refuse (400, naming the field) a request that asks for what tgraph does not do."""
+        for field, value in (self.model_extra or {}).items():
+            what, asks_nothing = _UNSUPPORTED.get(field, ("", _none))
+            if what and not asks_nothing(value):
+                raise APIError(400, f"{field}: this server does not support {what}", field)
+        best_of = (self.model_extra or {}).get("best_of")
+        if best_of is not None and best_of != self.n:
+            raise APIError(400, f"best_of: choosing the best {self.n} of {best_of} candidates is "
+                                "not supported; ask for n choices instead", "best_of")
 
     @property
     def include_usage(self) -> bool:
@@ -84,9 +126,17 @@ class ChatMessage(BaseModel):
     content: str | list[dict[str, Any]] | None = None
 
     def text(self) -> str:
-        """The message's text (text parts of a multi-part content joined)."""
+        """The message's text (the parts of a multi-part content joined).
+
+        Raises:
+            APIError: a part other than text (an image, audio, a file): 400.
+        """
         if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            other = [str(p.get("type")) for p in self.content if p.get("type") != "text"]
+            if other:
+                raise APIError(400, f"messages: content parts of type {other[0]!r} are not "
+                                    "supported (this model reads text parts only)", "messages")
+            return "".join(str(p.get("text", "")) for p in self.content)
         return self.content or ""
 
 
