@@ -247,8 +247,11 @@ def gguf_parts(path: str | Path) -> list[Path]:
     Raises:
         WeightLoadError: a split model whose parts are not named that way, or a part missing.
     """
-    path = Path(path)
-    count = read_gguf_header(path).split_count
+    return _parts_of(read_gguf_header(path))
+
+
+def _parts_of(header: GGUFHeader) -> list[Path]:
+    path, count = header.path, header.split_count
     if count <= 1:
         return [path]
     m = _PART_NAME.fullmatch(path.name)
@@ -274,8 +277,9 @@ def read_gguf_model(path: str | Path) -> GGUFHeader:
             disagree (their number, their order, a tensor in two parts, a tensor count that does
             not match ``split.tensors.count``).
     """
-    parts = gguf_parts(path)
-    headers = [read_gguf_header(p) for p in parts]
+    named = read_gguf_header(path)
+    parts = _parts_of(named)
+    headers = [named if p == named.path else read_gguf_header(p) for p in parts]
     if len(headers) == 1:
         return headers[0]
     tensors: dict[str, GGUFTensorInfo] = {}
