@@ -28,7 +28,8 @@ K-quant files for tensors whose rows are not whole 256-value super-blocks (hidde
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -63,6 +64,8 @@ _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
                        dtype=np.int8)
 
 Repacked = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # codes, scales, offsets
+# A weight's blocks are repacked in one piece below this size (threads cost more than they buy).
+_THREAD_MIN_BYTES = 1 << 20
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -215,6 +218,22 @@ _REPACK = {Q.Q4_0: _repack_q4_0, Q.Q4_1: _repack_q4_1, Q.Q5_0: _repack_q5_0,
            Q.Q6_K: _repack_q6_k, Q.IQ4_NL: _repack_iq4_nl, Q.IQ4_XS: _repack_iq4_xs}
 
 
+def _repack_in_threads(repack: Callable[[np.ndarray], Repacked], blocks: np.ndarray,
+                       rows: int) -> Repacked:
+    """``repack(blocks)``, the rows split over torch's intra-op thread count (numpy releases
+    the interpreter lock in its loops); a weight below ``_THREAD_MIN_BYTES`` in one piece."""
+    workers = min(torch.get_num_threads(), rows, blocks.nbytes // _THREAD_MIN_BYTES)
+    if workers <= 1:
+        return repack(blocks)
+    per_row = blocks.shape[0] // rows
+    bounds = np.linspace(0, rows, workers + 1).astype(int) * per_row
+    pieces = [blocks[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    with ThreadPoolExecutor(workers) as pool:
+        codes, scales, offsets = zip(*pool.map(repack, pieces), strict=True)
+    return (np.concatenate(codes), np.concatenate(scales),
+            None if offsets[0] is None else np.concatenate(offsets))
+
+
 def repack_blocks(data: np.ndarray, ggml_type: Q, shape: Sequence[int],
                   rows: np.ndarray | None = None, dtype: torch.dtype = torch.float32,
                   name: str = "weight") -> QuantizedWeight:
@@ -245,7 +264,7 @@ def repack_blocks(data: np.ndarray, ggml_type: Q, shape: Sequence[int],
         raise WeightLoadError(f"tensor '{name}' ({ggml_type.name} [{n}, {k}]) has {data.size} "
                               f"bytes, expected {want}")
     blocks = data.reshape(n * (k // block), type_size)
-    qdata, scale, offset = _REPACK[ggml_type](blocks)
+    qdata, scale, offset = _repack_in_threads(_REPACK[ggml_type], blocks, n)
     scheme = QUANTIZED_TYPES[ggml_type]
     group = scheme.block[1]
     parts = [qdata.reshape(n, -1), scale.reshape(n, k // group),
