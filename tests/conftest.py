@@ -26,7 +26,8 @@ HAS_CUDA = torch.cuda.is_available()
 
 # gguf is a dependency of tgraph, but a GPU machine without installs may lack it: the modules that
 # read GGUF files are then left out, and the report header says so.
-GGUF_MODULES = ["io/test_gguf.py", "models/test_smollm2.py", "runtime/test_demo.py"]
+GGUF_MODULES = ["io/test_gguf.py", "io/test_gguf_tokenizer.py", "models/test_smollm2.py",
+                "runtime/test_demo.py"]
 HAS_GGUF = importlib.util.find_spec("gguf") is not None
 collect_ignore = [] if HAS_GGUF else GGUF_MODULES
 
@@ -56,3 +57,19 @@ def pytest_runtest_logreport(report):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _gguf_tokenizers_cached_for_the_session(tmp_path_factory):
+    """The tokenizers of the GGUF files tests write are cached in a temporary directory: those
+    files' paths change every run, so their entries would pile up in the user's cache."""
+    if not HAS_GGUF:
+        yield
+        return
+    from tgraph.io import gguf_tokenizer
+
+    root = tmp_path_factory.mktemp("gguf-tokenizers")
+    original = gguf_tokenizer.cache_root
+    gguf_tokenizer.cache_root = lambda: root
+    yield
+    gguf_tokenizer.cache_root = original

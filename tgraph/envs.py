@@ -76,8 +76,8 @@ def _default_cache_dir() -> Path:
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in (
     EnvVar("TGRAPH_CACHE_DIR", _path, _default_cache_dir,
-           "where the demo's model, the generated pointwise kernels and the compiled CPU "
-           "kernels are cached (default ~/.cache/tgraph)"),
+           "where the demo's model, the generated pointwise kernels, the compiled CPU "
+           "kernels and GGUF files' tokenizers are cached (default ~/.cache/tgraph)"),
     EnvVar("TGRAPH_PDL", _flag, True,
            "0 launches every Triton kernel without programmatic dependent launch (debugging)"),
     EnvVar("TRITON_INTERPRET", _flag, False,

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tgraph.errors import ConfigError, WeightLoadError
+from tgraph.errors import ConfigError
 from tgraph.io.model_config import ModelConfig
 from tgraph.io.weights import SafetensorFileLoader, WeightLoader
 
@@ -108,14 +108,9 @@ def load_tokenizer(path: str | Path) -> Any:
 
     if is_gguf(p):
         from tgraph.io.gguf import gguf_parts
+        from tgraph.io.gguf_tokenizer import load_gguf_tokenizer
 
-        p = gguf_parts(p)[0]  # a split model's vocabulary is in its first part
-        try:
-            return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name,
-                                                 trust_remote_code=False)
-        except Exception as err:  # a GGUF whose vocabulary transformers cannot rebuild
-            raise WeightLoadError(f"cannot build the tokenizer of {p} from its GGUF metadata: "
-                                  f"{err}") from err
+        return load_gguf_tokenizer(gguf_parts(p)[0])  # a split model's vocabulary: first part
     if not any((p / f).exists() for f in ("tokenizer.json", "tokenizer_config.json",
                                           "tokenizer.model")):
         return None
