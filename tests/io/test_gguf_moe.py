@@ -86,6 +86,16 @@ def _k_quants(name: str) -> Q:
     return Q.Q5_K if "attn_v" in name else Q.Q4_K
 
 
+def _low_bits(name: str) -> Q:
+    """As a Q2_K / Q3_K_S file mixes them: Q2_K gate/up experts, Q3_K down experts, IQ4_XS
+    attention and embedding."""
+    if "ffn_gate_inp" in name:
+        return Q.F32
+    if "exps" in name:
+        return Q.Q3_K if "down" in name else Q.Q2_K
+    return Q.IQ4_XS
+
+
 # name -> (family, config overrides, GGUF type of each 2-D / 3-D weight by GGUF name)
 VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Q]]] = {
     "qwen3_moe_f32": ("qwen3_moe", QWEN3, lambda name: Q.F32),
@@ -94,6 +104,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Q]]] = {
     "qwen2_moe_q4_0": ("qwen2_moe", QWEN2, _qwen2_q4_0),
     "mixtral_f32": ("mixtral", MIXTRAL, lambda name: Q.F32),
     "mixtral_k_quants": ("mixtral", MIXTRAL_K, _k_quants),
+    "mixtral_low_bits": ("mixtral", MIXTRAL_K, _low_bits),
 }
 
 
@@ -292,7 +303,7 @@ def test_eager_graph_matches_too(moe_gguf: Callable) -> None:
     assert got == hf_greedy(ref, PROMPTS, STEPS)
 
 
-@pytest.mark.parametrize("variant", ["qwen3_moe_q8_0", "mixtral_k_quants"])
+@pytest.mark.parametrize("variant", ["qwen3_moe_q8_0", "mixtral_k_quants", "mixtral_low_bits"])
 def test_each_expert_reads_as_its_slice_bit_for_bit(variant: str, moe_gguf: Callable) -> None:
     """Expert e of a stacked tensor is the file's e-th slice: repacked, it dequantizes to exactly
     what gguf-py dequantizes."""
