@@ -508,6 +508,7 @@ def test_check_model_reports_schemes_and_bytes(tiny_gguf: Callable,
     header = read_gguf_header(path)
     want = sum(math.prod(t.shape) * per_value[t.ggml_type] for t in header.tensors.values())
     assert resident == want
+    assert f"checkpoint files: {path.stat().st_size} bytes" in out
 
 
 def test_generate_command_takes_a_gguf_file(tiny_gguf: Callable,

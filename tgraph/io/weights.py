@@ -146,6 +146,11 @@ class WeightLoader(ABC):
     def _total_bytes(self) -> int:
         """Size of the checkpoint, used to decide whether a progress bar is worth showing."""
 
+    @property
+    def checkpoint_bytes(self) -> int:
+        """The bytes of the checkpoint's files (of in-memory weights: the tensors' bytes)."""
+        return self._total_bytes()
+
     # ---------------------------------------------------------------------------- quantized
     def register_quantized(self, name: str, shape: Sequence[int],
                            build: Callable[[], QuantizedWeight],

@@ -192,6 +192,7 @@ class CheckReport:
     model_class: str = ""
     num_parameters: int = 0
     resident_bytes: int = 0
+    checkpoint_bytes: int = 0
     schemes: dict[str, str] = field(default_factory=dict)  # weight name -> quantization
     problems: list[str] = field(default_factory=list)
     unused: list[str] = field(default_factory=list)
@@ -205,7 +206,8 @@ class CheckReport:
                  f"class: {self.model_class or '?'}"]
         if self.num_parameters:
             lines.append(f"parameters: {self.num_parameters:,}")
-            lines.append(f"resident weight bytes: {self.resident_bytes}")
+            lines.append(f"resident weight bytes: {self.resident_bytes} (fp32 where not "
+                         f"quantized; checkpoint files: {self.checkpoint_bytes} bytes)")
         for name, scheme in self.schemes.items():
             lines.append(f"quantized: {name}: {scheme}")
         lines += [f"ERROR: {p}" for p in self.problems]
@@ -245,6 +247,7 @@ def check_model(model_dir: str | Path, module_map: str | Path | None = None,
         report.num_parameters = sum(w.numel() for _, w in weights)
         report.resident_bytes = sum(w.nbytes if is_quantized(w) else w.numel() * w.element_size()
                                     for _, w in _distinct(weights))
+        report.checkpoint_bytes = loader.checkpoint_bytes
         report.schemes = {name: w.scheme.describe(w.shape) for name, w in weights
                           if is_quantized(w)}
         report.unused = loader.unused_names()
