@@ -30,7 +30,6 @@ from gguf import GGMLQuantizationType as Q
 from tests.helpers import EXACT_CPU_QUANT
 from tgraph.cli import main
 from tgraph.errors import ConfigError, WeightLoadError
-from tgraph.io import gguf_blocks
 from tgraph.io.checkpoint import open_checkpoint
 from tgraph.io.gguf import (
     QUANTIZED_TYPES,
@@ -328,16 +327,15 @@ def test_repack_is_bit_identical_to_gguf_dequantize(qtype: Q) -> None:
 
 
 @pytest.mark.parametrize("qtype", list(QUANTIZED_TYPES), ids=lambda t: t.name)
-def test_repack_split_over_threads_is_the_same(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_repack_split_over_threads_is_the_same(qtype: Q) -> None:
     """Rows repacked in pieces by several threads (uneven pieces: 3 over 13 rows) give the
     same bits as gguf-py."""
     rng = np.random.default_rng(2)
     data = encode(rng.standard_normal((13, 512)).astype(np.float32), qtype, rng)
-    monkeypatch.setattr(gguf_blocks, "_THREAD_MIN_BYTES", 64)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
-        got = repack_blocks(data, qtype, (13, 512)).dequantize(torch.float32)
+        got = repack_blocks(data, qtype, (13, 512), piece_bytes=64).dequantize(torch.float32)
     finally:
         torch.set_num_threads(threads)
     ref = torch.from_numpy(gguf.quants.dequantize(data, qtype))

@@ -64,8 +64,6 @@ _IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38,
                        dtype=np.int8)
 
 Repacked = tuple[np.ndarray, np.ndarray, "np.ndarray | None"]  # codes, scales, offsets
-# A weight's blocks are repacked in one piece below this size (threads cost more than they buy).
-_THREAD_MIN_BYTES = 1 << 20
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -219,10 +217,10 @@ _REPACK = {Q.Q4_0: _repack_q4_0, Q.Q4_1: _repack_q4_1, Q.Q5_0: _repack_q5_0,
 
 
 def _repack_in_threads(repack: Callable[[np.ndarray], Repacked], blocks: np.ndarray,
-                       rows: int) -> Repacked:
+                       rows: int, piece_bytes: int) -> Repacked:
     """``repack(blocks)``, the rows split over torch's intra-op thread count (numpy releases
-    the interpreter lock in its loops); a weight below ``_THREAD_MIN_BYTES`` in one piece."""
-    workers = min(torch.get_num_threads(), rows, blocks.nbytes // _THREAD_MIN_BYTES)
+    the interpreter lock in its loops), each piece at least ``piece_bytes``."""
+    workers = min(torch.get_num_threads(), rows, blocks.nbytes // max(piece_bytes, 1))
     if workers <= 1:
         return repack(blocks)
     per_row = blocks.shape[0] // rows
@@ -236,7 +234,7 @@ def _repack_in_threads(repack: Callable[[np.ndarray], Repacked], blocks: np.ndar
 
 def repack_blocks(data: np.ndarray, ggml_type: Q, shape: Sequence[int],
                   rows: np.ndarray | None = None, dtype: torch.dtype = torch.float32,
-                  name: str = "weight") -> QuantizedWeight:
+                  name: str = "weight", piece_bytes: int = 1 << 20) -> QuantizedWeight:
     """GGUF blocks of a ``[N, K]`` weight as a :class:`QuantizedWeight`, exactly (the module's
     table: ``dequantize()`` equals ``gguf.quants.dequantize`` bit for bit).
 
@@ -247,6 +245,8 @@ def repack_blocks(data: np.ndarray, ggml_type: Q, shape: Sequence[int],
         rows: optional row order (``out[i] = in[rows[i]]``), e.g. to undo a permutation.
         dtype: the logical (compute) dtype of the weight.
         name: the weight's name, for errors.
+        piece_bytes: the blocks are repacked by torch's threads in row pieces of at least this
+            many bytes (threads cost small weights more than they save).
 
     Returns:
         The weight, on the CPU.
@@ -264,7 +264,7 @@ def repack_blocks(data: np.ndarray, ggml_type: Q, shape: Sequence[int],
         raise WeightLoadError(f"tensor '{name}' ({ggml_type.name} [{n}, {k}]) has {data.size} "
                               f"bytes, expected {want}")
     blocks = data.reshape(n * (k // block), type_size)
-    qdata, scale, offset = _repack_in_threads(_REPACK[ggml_type], blocks, n)
+    qdata, scale, offset = _repack_in_threads(_REPACK[ggml_type], blocks, n, piece_bytes)
     scheme = QUANTIZED_TYPES[ggml_type]
     group = scheme.block[1]
     parts = [qdata.reshape(n, -1), scale.reshape(n, k // group),
