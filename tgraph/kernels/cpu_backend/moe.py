@@ -39,7 +39,7 @@ from tgraph.kernels.cpu_backend.common import BoundKernel, Thunk, returning
 from tgraph.kernels.cpu_backend.native import library
 from tgraph.kernels.cpu_backend.quant import packed_how, packed_linear
 from tgraph.kernels.registry import KernelSpec
-from tgraph.kernels.triton_backend.common import Outs
+from tgraph.kernels.triton_backend.common import Outs, results_into
 from tgraph.quant import is_quantized
 from tgraph.tuning import CpuTuning, Tuning
 
@@ -157,17 +157,9 @@ def bind_moe_add_rms_norm(outs: Outs, x, router_logits, w13, w2, residual, weigh
     experts = GroupedExperts(w13, w2, router_logits.shape[1], (tuning or Tuning()).cpu)
 
     def run() -> tuple:
-        normed, summed = add_rms_norm_reference(experts(x, router_logits, top_k, renormalize),
-                                                residual, weight, eps=eps)
-        return tuple(_into(buf, r) for buf, r in zip(outs, (normed, summed)))
+        return results_into(outs, add_rms_norm_reference(
+            experts(x, router_logits, top_k, renormalize), residual, weight, eps=eps))
     return run
-
-
-def _into(buf: torch.Tensor | None, r: torch.Tensor) -> torch.Tensor:
-    if buf is None:
-        return r
-    buf.copy_(r)
-    return buf
 
 
 KERNELS = (KernelSpec("moe", BoundKernel(bind_moe), tuned=True),

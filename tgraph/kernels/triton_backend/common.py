@@ -9,7 +9,8 @@ import torch
 from tgraph import envs
 from tgraph.ir.ops import get_op
 
-__all__ = ["Outs", "interpreted", "last_contiguous", "reference_into", "rows"]
+__all__ = ["Outs", "interpreted", "last_contiguous", "reference_into", "results_into",
+           "rows"]
 
 Outs = Sequence[torch.Tensor | None]
 
@@ -36,6 +37,18 @@ def interpreted(t: torch.Tensor) -> bool:
     return not t.is_cuda and envs.TRITON_INTERPRET
 
 
+def results_into(outs: Outs, results: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Each result copied into its planned buffer (a ``None`` buffer: the result itself)."""
+    final = []
+    for buf, r in zip(outs, results):
+        if buf is None:
+            final.append(r)
+        else:
+            buf.copy_(r)
+            final.append(buf)
+    return tuple(final)
+
+
 def reference_into(op: str) -> Callable[..., Any]:
     """A kernel that runs ``op``'s torch reference and copies its results into the planned
     buffers (outputs that alias an input are returned as the reference gave them)."""
@@ -43,15 +56,8 @@ def reference_into(op: str) -> Callable[..., Any]:
 
     def kernel(outs: Outs, *args: Any, **attrs: Any) -> Any:
         result = reference(*args, **attrs)
-        results = result if isinstance(result, tuple) else (result,)
-        final = []
-        for buf, r in zip(outs, results):
-            if buf is None:
-                final.append(r)
-            else:
-                buf.copy_(r)
-                final.append(buf)
-        return tuple(final) if isinstance(result, tuple) else final[0]
+        final = results_into(outs, result if isinstance(result, tuple) else (result,))
+        return final if isinstance(result, tuple) else final[0]
 
     kernel.__name__ = f"ref_into_{op}"
     return kernel
