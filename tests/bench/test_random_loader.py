@@ -47,3 +47,12 @@ def test_the_70b_presets_have_their_shapes(name):
     shapes = checkpoint_shapes(PRESETS[name])
     params = sum(torch.Size(s).numel() for s in shapes.values())
     assert 69e9 < params < 73.5e9
+
+
+@pytest.mark.parametrize("name, low, high", [("olmoe-1b-7b", 6.8e9, 7.0e9),
+                                             ("olmo-2-7b", 7.2e9, 7.4e9)])
+def test_the_olmo_presets_have_their_shapes(name, low, high):
+    """OLMoE-1B-7B-0924: 6.92B parameters; OLMo-2-1124-7B: 7.30B (the model cards' counts)."""
+    shapes = checkpoint_shapes(PRESETS[name])
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    assert low < params < high, params

@@ -85,6 +85,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "replicated": _save_llama(root / "replicated", num_key_value_heads=1,
                                   intermediate_size=90, tie_word_embeddings=True),
         "moe": _save_moe(root / "moe"),
+        "olmoe": _save_olmoe(root / "olmoe"),
     }
 
 
@@ -96,6 +97,18 @@ def _save_moe(path: Path) -> Path:
     model = random_hf_model("qwen2_moe", seed=0, vocab_size=128, num_hidden_layers=2,
                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
                             shared_expert_intermediate_size=80, norm_topk_prob=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _save_olmoe(path: Path) -> Path:
+    """An OLMoE whose q and k are normalised over all heads: the heads split over the ranks,
+    the sums of squares all-reduced; its one KV head is on both ranks (counted once)."""
+    from tgraph.testing import random_hf_model
+
+    model = random_hf_model("olmoe", seed=0, vocab_size=128, num_hidden_layers=2,
+                            num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                            clip_qkv=2.5)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -205,7 +218,7 @@ def test_single_process_reference_matches_transformers(tp_run: TPRun) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["split", "replicated", "moe"])
+@pytest.mark.parametrize("name", ["split", "replicated", "moe", "olmoe"])
 def test_world_size_2_matches_world_size_1(tp_run: TPRun, name: str, mode: str) -> None:
     ref_logits, ref_tokens = tp_run.reference[(name, mode)]
     ranks = [tp_run.rank_tensors(r) for r in range(2)]
@@ -291,7 +304,7 @@ def test_fusion_structure(tp_run: TPRun) -> None:
         assert report["fusion_linear_triton_unfused"]["kernels"] == ["triton.all_reduce"]
 
 
-@pytest.mark.parametrize("name", ["split", "replicated", "moe"])
+@pytest.mark.parametrize("name", ["split", "replicated", "moe", "olmoe"])
 def test_fused_model_matches_unfused(tp_run: TPRun, name: str) -> None:
     layers = 2
     for r in range(2):
@@ -311,7 +324,8 @@ def test_fused_model_matches_unfused(tp_run: TPRun, name: str) -> None:
             assert unfused["fusion_matches"] == 0
             ops = [op for op, _, _ in fused["collectives"]]
             assert ops.count("all_reduce_add_rms_norm") == 2 * layers
-            assert ops.count("all_reduce") == 1  # the embedding's, read by a norm and an add
+            # the embedding's, read by a norm and an add (and OLMoE's q and k sums of squares)
+            assert ops.count("all_reduce") == 1 + (2 * layers if name == "olmoe" else 0)
             # gloo collectives run on the host, never inside a CUDA graph.
             assert not any(cap or in_graph for _, cap, in_graph in fused["collectives"])
 

@@ -43,6 +43,11 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                 "moe_intermediate_size": 48, "norm_topk_prob": False,
                                 "shared_expert_intermediate_size": 80}),
     "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    # q and k each normalised over all heads; OLMo 2 normalises each block's output, OLMoE
+    # routes without renormalising and clamps q/k/v (at 2.5: a few percent of them clip).
+    "olmo2": ("olmo2", {}),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
+                        "clip_qkv": 2.5}),
 }
 
 # Prompts of different lengths (1 to 18 tokens), longer than the sliding window and spanning

@@ -145,6 +145,8 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
     elif tm.name in ("qwen3_moe", "qwen2_moe", "mixtral"):
         # the same weights routed to one expert per token instead of two
         other = random_hf_model(family, seed=0, **{**overrides, "num_experts_per_tok": 1})
+    elif tm.name == "olmoe":
+        other = random_hf_model(family, seed=0, **{**overrides, "clip_qkv": None})
     elif tm.name == "llama":
         # an untied head replaced by the embedding (what a wrong tie would compute)
         other = copy.deepcopy(tm.hf)
@@ -156,7 +158,8 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
             for name, p in other.named_parameters():
                 if tm.name == "qwen2" and name.endswith("proj.bias"):
                     p.zero_()
-                if tm.name == "qwen3" and name.endswith(("q_norm.weight", "k_norm.weight")):
+                if tm.name in ("qwen3", "olmo2") and name.endswith(("q_norm.weight",
+                                                                    "k_norm.weight")):
                     p.fill_(1.0)
     return hf_logits(other, tokens)
 
@@ -165,7 +168,7 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
 def test_variant_feature_matters(tiny_model, variant):
     """Guard against a vacuous parity test: removing what is special about a variant (rope
     scaling, the untied head, q/k/v biases, q/k norms, the sliding window, the second routed
-    expert of every token) changes HF's logits
+    expert of every token, OLMoE's clamp of q/k/v) changes HF's logits
     by far more than the parity tolerance, so a tgraph model that ignored it would fail."""
     tm = tiny_model(variant)
     tokens = PROMPTS[2]

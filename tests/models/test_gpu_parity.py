@@ -50,6 +50,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
                         "tie_word_embeddings": True, "rope_theta": 1000000.0}),
     # A window shorter than the longest prompts.
     "mistral": ("mistral", {"sliding_window": 128, "rope_theta": 1000000.0}),
+    # q and k normalised over all 16 heads (one RMSNorm of 2048), post-norm layers.
+    "olmo2": ("olmo2", {"num_attention_heads": 16, "rope_theta": 500000.0}),
 }
 
 PROMPT_LENGTHS = (1, 9, 33, 130, 300, 517)

@@ -134,6 +134,7 @@ def test_a_missing_expert_is_named(moe_dir, tmp_path):
     ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
     ("qwen2_moe", {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
                    "shared_expert_intermediate_size": 80}),
+    ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
 ])
 def test_transformers_in_memory_state_dicts_load_too(family, overrides):
     """transformers 5 holds experts stacked (``experts.gate_up_proj``) and Mixtral's block as

@@ -482,6 +482,11 @@ def _build_qwen2_moe(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def _build_olmo(d: dict[str, Any]) -> ModelConfig:
+    # OLMo 2 and OLMoE: head_dim is hidden_size / heads; no sliding window.
+    return ModelConfig(**parse_common_fields(d, {"max_position_embeddings": 4096}))
+
+
 register_config_builder("llama", _model_type_is("llama"), _build_llama)
 register_config_builder("qwen2", _model_type_is("qwen2"), _build_qwen2)
 register_config_builder("qwen3", _model_type_is("qwen3"), _build_qwen3)
@@ -489,3 +494,5 @@ register_config_builder("mistral", _model_type_is("mistral"), _build_mistral)
 register_config_builder("qwen3_moe", _model_type_is("qwen3_moe"), _build_qwen3_moe)
 register_config_builder("qwen2_moe", _model_type_is("qwen2_moe"), _build_qwen2_moe)
 register_config_builder("mixtral", _model_type_is("mixtral"), _build_mistral)
+register_config_builder("olmo2", _model_type_is("olmo2"), _build_olmo)
+register_config_builder("olmoe", _model_type_is("olmoe"), _build_olmo)

@@ -49,6 +49,8 @@ class Attention(Module):
         layer_idx: which KV cache this layer uses.
         qkv_bias / o_bias: whether the projections carry biases (the family decides).
         sliding_window: attend only to the last ``sliding_window`` positions.
+        clip_qkv: clamp q, k and v to ``[-clip_qkv, clip_qkv]`` after :meth:`qk_norm` (OLMo's
+            ``clip_qkv``); ``None`` leaves them.
 
     ``backend`` picks the attention op (:mod:`tgraph.layers.attention_backends`): ``"triton"``
     (default) or ``"sdpa"`` (torch SDPA for prefill); set it with :meth:`configure`.
@@ -56,9 +58,10 @@ class Attention(Module):
 
     def __init__(self, config: ModelConfig, loader: WeightLoader, prefix: str, layer_idx: int,
                  qkv_bias: bool = False, o_bias: bool = False,
-                 sliding_window: int | None = None) -> None:
+                 sliding_window: int | None = None, clip_qkv: float | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
+        self.clip_qkv = clip_qkv
         self.head_dim = config.head_dim
         self.qkv_proj = QKVParallelLinear(
             loader, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"],
@@ -100,6 +103,8 @@ class Attention(Module):
         k = k.reshape(-1, self.num_kv_heads, self.head_dim)  # (tokens, kv_heads, head_dim)
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         q, k = self.qk_norm(q, k)
+        if self.clip_qkv is not None:
+            q, k, v = (F.minimum(F.maximum(t, -self.clip_qkv), self.clip_qkv) for t in (q, k, v))
         q, k = F.rope(q, k, meta.cos, meta.sin)
         k_cache, v_cache = F.reshape_and_cache(k, v, *meta.kv_caches[self.layer_idx],
                                                meta.slots_mapping)

@@ -1,6 +1,8 @@
 """Normalisation layers."""
 from __future__ import annotations
 
+import torch
+
 from tgraph.io.weights import WeightLoader
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
@@ -21,3 +23,55 @@ class RmsNorm(Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+class HeadsRmsNorm(Module):
+    """RMSNorm over every head's features of q or k at once (OLMo 2, OLMoE), the heads split
+    over tensor-parallel ranks as the q|k|v projection splits them.
+
+    The checkpoint's ``{prefix}.weight`` has ``num_heads * head_dim`` entries; each rank holds
+    its heads' slice. With one rank this is a plain RMSNorm over the flattened heads; with
+    several, the sum of squares of the rank's slice is all-reduced first. KV heads replicated
+    over ranks (fewer KV heads than ranks) are counted once.
+
+    Args:
+        loader: weight loader (its rank and world size pick the slice).
+        prefix: checkpoint prefix, e.g. ``model.layers.0.self_attn.q_norm``.
+        num_heads: heads of the whole model (q heads or KV heads).
+        head_dim: features per head.
+        eps: RMSNorm epsilon.
+    """
+
+    def __init__(self, loader: WeightLoader, prefix: str, num_heads: int, head_dim: int,
+                 eps: float) -> None:
+        super().__init__()
+        name = f"{prefix}.weight"
+        loader.expect_shape(name, (num_heads * head_dim,))
+        ws = loader.world_size
+        if num_heads >= ws:  # the same split as QKVParallelLinear's
+            weight, self.replicas = loader.get_sharded(name, 0, loader.rank, ws), 1
+        else:
+            head = loader.rank * num_heads // ws
+            weight, self.replicas = loader.get_sharded(name, 0, head, num_heads), ws // num_heads
+        self.weight = Parameter(weight)
+        self.width, self.head_dim, self.eps, self.world_size = \
+            num_heads * head_dim, head_dim, eps, ws
+
+    def forward(self, x: Tensor) -> Tensor:
+        """``x``: (tokens, this rank's heads, head_dim) -> the same shape, normalised."""
+        local = self.weight.shape[0]
+        heads = (-1, local // self.head_dim, self.head_dim)
+        flat = F.reshape(x, (-1, local))
+        if self.world_size == 1:
+            return F.reshape(F.rms_norm(flat, self.weight, self.eps), heads)
+        from tgraph.nn import distributed
+
+        # fp32 statistics, as the fused RMSNorm keeps them.
+        wide = F.cast(flat, torch.float32)
+        squares = distributed.all_reduce(F.sum(F.mul(wide, wide), -1, keepdim=True))
+        inv = F.rsqrt(F.add(F.div(squares, float(self.width * self.replicas)), self.eps))
+        out = F.mul(F.mul(wide, inv), F.cast(self.weight, torch.float32))
+        return F.reshape(F.cast(out, x.dtype or self.weight.dtype), heads)
+
+    def extra_repr(self) -> str:
+        return f"{self.width} over all heads, eps={self.eps}"

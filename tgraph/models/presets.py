@@ -39,6 +39,12 @@ PRESETS: dict[str, dict[str, Any]] = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=10000.0, sliding_window=4096,
         max_position_embeddings=32768, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # q and k normalised over all heads, post-norm layers.
+    "olmo-2-7b": dict(
+        model_type="olmo2", architectures=["Olmo2ForCausalLM"], vocab_size=100352,
+        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=500000.0,
+        max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="bfloat16"),
     # Tensor-parallel shapes (tgraph.bench.tp): 141 GB and 145 GB in bf16, more than one GPU.
     "llama-3-70b": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,
@@ -58,6 +64,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
         rms_norm_eps=1e-6, rope_theta=1000000.0, max_position_embeddings=40960,
         tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # 64 experts of 1024, 8 per token, not renormalised (1.3B of 6.9B parameters active).
+    "olmoe-1b-7b": dict(
+        model_type="olmoe", architectures=["OlmoeForCausalLM"], vocab_size=50304,
+        hidden_size=2048, intermediate_size=1024, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=False, num_hidden_layers=16, num_attention_heads=16,
+        num_key_value_heads=16, rms_norm_eps=1e-5, rope_theta=10000.0, clip_qkv=None,
+        max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="bfloat16"),
     # 8 experts of 14336, 2 per token (12.9B of 46.7B parameters active): 93 GB in bf16, so its
     # bench runs in FP8 (tgraph.bench.moe.PRESET_SCHEMES).
     "mixtral-8x7b": dict(

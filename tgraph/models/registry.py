@@ -45,6 +45,8 @@ BUILTIN_FAMILIES: tuple[BuiltinFamily, ...] = (
     BuiltinFamily("tgraph.models.qwen3_moe", ("qwen3_moe",), ("Qwen3MoeForCausalLM",)),
     BuiltinFamily("tgraph.models.qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",)),
     BuiltinFamily("tgraph.models.mixtral", ("mixtral",), ("MixtralForCausalLM",)),
+    BuiltinFamily("tgraph.models.olmo2", ("olmo2",), ("Olmo2ForCausalLM",)),
+    BuiltinFamily("tgraph.models.olmoe", ("olmoe",), ("OlmoeForCausalLM",)),
 )
 
 

@@ -31,9 +31,9 @@ __all__ = [
     "run_greedy", "tiny_hf_config",
 ]
 
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral")
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "olmo2")
 # Mixture-of-experts families (tiny configs need their expert keys: see tests/models/test_moe.py).
-MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
 # Small enough for the CPU interpreter, big enough to exercise GQA (4 query heads share 2 KV
 # heads), several layers and several vocabulary shards (192 divides by 2, 3, 4 and 6).
@@ -55,7 +55,9 @@ def _family_classes(family: str) -> tuple[type, type]:
              "mistral": ("MistralConfig", "MistralForCausalLM"),
              "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
              "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
-             "mixtral": ("MixtralConfig", "MixtralForCausalLM")}
+             "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+             "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+             "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
     if family not in names:
         raise ValueError(f"unknown family {family!r}; expected one of {list(names)}")
     config_name, model_name = names[family]

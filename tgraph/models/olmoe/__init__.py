@@ -1,0 +1,3 @@
+from tgraph.models.olmoe.modeling import FlashOlmoeForCausalLM
+
+__all__ = ["FlashOlmoeForCausalLM"]
