@@ -238,3 +238,45 @@ def test_builder_errors_name_the_builder(restore_builders):
                             lambda d: ModelConfig(**parse_common_fields({})))
     with pytest.raises(ConfigError, match=r"\(broken config\): missing required keys"):
         ModelConfig.from_dict(legacy(model_type="broken"))
+
+
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+        "attention_factor": 1.2079441541679836, "beta_fast": 32, "beta_slow": 1}
+
+
+def olmo3_hub(**overrides) -> dict:
+    """OLMo-3-7B's config.json layout: rope_theta and a YaRN rope_scaling, typed layers."""
+    return {"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "rope_theta": 500000.0,
+            "rope_scaling": YARN, "sliding_window": 4096, "max_position_embeddings": 65536,
+            "layer_types": ["sliding_attention", "full_attention"], **TINY, **overrides}
+
+
+def test_olmo3_scales_only_the_full_layers_rope(tmp_path):
+    """As transformers converts the hub's layout: YaRN on the full-attention layers, the sliding
+    ones plain RoPE of the same theta and a window; the saved 5.x layout reads the same."""
+    c = ModelConfig.from_dict(olmo3_hub())
+    assert c.layer_types == ("sliding_attention", "full_attention")
+    sliding, full = c.layer_config(0), c.layer_config(1)
+    assert (sliding.sliding_window, sliding.rope_theta, sliding.rope_scaling) == (4096, 5e5, None)
+    assert full.sliding_window is None and full.rope_type == "yarn"
+    assert full.rope_scaling["factor"] == 8.0 and full.rope_theta == 5e5
+    _, saved = hf_saved(tmp_path, "Olmo3Config", rope_theta=500000.0, rope_scaling=YARN,
+                        layer_types=["sliding_attention", "full_attention"])
+    assert isinstance(saved["rope_parameters"]["full_attention"], dict)
+    c5 = ModelConfig.from_dict(saved)
+    assert c5.layer_config(1).rope_scaling == full.rope_scaling
+    assert c5.layer_config(0).rope_scaling is None
+
+
+def test_olmo3_default_layer_types_and_refusals():
+    c = ModelConfig.from_dict({**olmo3_hub(num_hidden_layers=8), "layer_types": None})
+    assert c.layer_types == ("sliding_attention",) * 3 + ("full_attention",) + \
+        ("sliding_attention",) * 3 + ("full_attention",)
+    with pytest.raises(ConfigError, match="layer_types must name one of .* each of the 2 layers"):
+        ModelConfig.from_dict(olmo3_hub(layer_types=["sliding_attention"]))
+    with pytest.raises(ConfigError, match="layer_types must name one of"):
+        ModelConfig.from_dict(olmo3_hub(layer_types=["sliding_attention", "chunked"]))
+    with pytest.raises(ConfigError, match="sliding_window is null"):
+        ModelConfig.from_dict(olmo3_hub(sliding_window=None))
+    with pytest.raises(ConfigError, match="unknown layer types .*'local'"):
+        ModelConfig.from_dict(olmo3_hub(rope_parameters={"local": {"rope_theta": 1.0}}))

@@ -46,6 +46,13 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # q and k each normalised over all heads; OLMo 2 normalises each block's output, OLMoE
     # routes without renormalising and clamps q/k/v (at 2.5: a few percent of them clip).
     "olmo2": ("olmo2", {}),
+    # OLMo 3: layers 0 and 2 slide over 5 tokens, layer 1 attends to all with YaRN-scaled RoPE
+    # (the hub's layout: rope_theta + a rope_scaling only the full layers use).
+    "olmo3": ("olmo3", {"sliding_window": 5, "rope_theta": 10000.0,
+                        "layer_types": ["sliding_attention", "full_attention",
+                                        "sliding_attention"],
+                        "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                                         "original_max_position_embeddings": 16}}),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
                         "clip_qkv": 2.5}),
 }

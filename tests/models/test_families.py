@@ -145,6 +145,10 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
     elif tm.name in ("qwen3_moe", "qwen2_moe", "mixtral"):
         # the same weights routed to one expert per token instead of two
         other = random_hf_model(family, seed=0, **{**overrides, "num_experts_per_tok": 1})
+    elif tm.name == "olmo3":
+        # the full-attention layer (no window, YaRN) made a sliding one like the others
+        other = random_hf_model(family, seed=0, **{**overrides,
+                                                   "layer_types": ["sliding_attention"] * 3})
     elif tm.name == "olmoe":
         other = random_hf_model(family, seed=0, **{**overrides, "clip_qkv": None})
     elif tm.name == "llama":
@@ -168,7 +172,7 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
 def test_variant_feature_matters(tiny_model, variant):
     """Guard against a vacuous parity test: removing what is special about a variant (rope
     scaling, the untied head, q/k/v biases, q/k norms, the sliding window, the second routed
-    expert of every token, OLMoE's clamp of q/k/v) changes HF's logits
+    expert of every token, OLMo 3's full layer, OLMoE's clamp of q/k/v) changes HF's logits
     by far more than the parity tolerance, so a tgraph model that ignored it would fail."""
     tm = tiny_model(variant)
     tokens = PROMPTS[2]

@@ -52,6 +52,9 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("mistral", {"sliding_window": 128, "rope_theta": 1000000.0}),
     # q and k normalised over all 16 heads (one RMSNorm of 2048), post-norm layers.
     "olmo2": ("olmo2", {"num_attention_heads": 16, "rope_theta": 500000.0}),
+    # Three sliding layers (window 128) to one full layer with YaRN, as OLMo-3-7B.
+    "olmo3": ("olmo3", {"sliding_window": 128, "rope_scaling": {
+        "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}}),
 }
 
 PROMPT_LENGTHS = (1, 9, 33, 130, 300, 517)

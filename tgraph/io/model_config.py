@@ -14,7 +14,7 @@ import copy
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ __all__ = [
 
 _REQUIRED = object()
 DEFAULT_ROPE_THETA = 10000.0
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 
 
 @dataclass
@@ -62,6 +63,10 @@ class ModelConfig:
         eos_token_ids: every end-of-sequence token (HF allows an int or a list).
         pad_token_id: padding token, or ``None``.
         partial_rotary_factor: fraction of ``head_dim`` that RoPE rotates (1.0 for these families).
+        layer_types: ``"full_attention"`` or ``"sliding_attention"`` per layer (OLMo 3): only the
+            sliding layers use ``sliding_window``; empty: every layer alike.
+        sliding_rope: ``(rope_theta, rope_scaling)`` of the sliding layers where they differ from
+            the full ones (OLMo 3 scales only the full layers' RoPE), else ``None``.
         hf_config: the raw ``config.json`` dict, for family-specific keys not mirrored above.
     """
 
@@ -89,7 +94,21 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     pad_token_id: int | None = None
     partial_rotary_factor: float = 1.0
+    layer_types: tuple[str, ...] = ()
+    sliding_rope: tuple[float, dict[str, Any] | None] | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    def layer_config(self, layer_idx: int) -> ModelConfig:
+        """The config as layer ``layer_idx`` sees it: with :attr:`layer_types`, a full-attention
+        layer has no window and a sliding one the sliding RoPE; without, ``self``."""
+        if not self.layer_types:
+            return self
+        if self.layer_types[layer_idx] == FULL_ATTENTION:
+            return replace(self, sliding_window=None)
+        if self.sliding_rope is None:
+            return self
+        theta, scaling = self.sliding_rope
+        return replace(self, rope_theta=theta, rope_scaling=scaling)
 
     @property
     def eos_token_id(self) -> int | None:
@@ -126,6 +145,17 @@ class ModelConfig:
             raise ConfigError(
                 f"sliding_window must be a positive int or null, got {self.sliding_window}"
             )
+        if self.layer_types:
+            kinds = (FULL_ATTENTION, SLIDING_ATTENTION)
+            if len(self.layer_types) != self.num_hidden_layers or \
+                    not set(self.layer_types) <= set(kinds):
+                raise ConfigError(
+                    f"layer_types must name one of {list(kinds)} for each of the "
+                    f"{self.num_hidden_layers} layers, got {list(self.layer_types)}"
+                )
+            if SLIDING_ATTENTION in self.layer_types and self.sliding_window is None:
+                raise ConfigError("layer_types has sliding_attention layers but sliding_window "
+                                  "is null")
 
     @classmethod
     def from_dir(cls, path: str | os.PathLike[str]) -> ModelConfig:
@@ -482,9 +512,46 @@ def _build_qwen2_moe(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
 
 
-def _build_olmo(d: dict[str, Any]) -> ModelConfig:
-    # OLMo 2 and OLMoE: head_dim is hidden_size / heads; no sliding window.
+def _build_olmo2(d: dict[str, Any]) -> ModelConfig:
+    # head_dim is hidden_size / heads; no sliding window.
+    return ModelConfig(**parse_common_fields(d, {"max_position_embeddings": 2048}))
+
+
+def _build_olmoe(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**parse_common_fields(d, {"max_position_embeddings": 4096}))
+
+
+def _build_olmo3(d: dict[str, Any]) -> ModelConfig:
+    # OLMo 3: OLMo 2 with three sliding-window layers to one full layer. Its RoPE is given per
+    # layer type (transformers 5), or as rope_theta + a rope_scaling that only the full layers
+    # use (the hub's configs; transformers converts them so).
+    params = d.get("rope_parameters")
+    per_type = isinstance(params, dict) and bool(params) and all(
+        isinstance(v, dict) for v in params.values())
+    if per_type:
+        unknown = set(params) - {FULL_ATTENTION, SLIDING_ATTENTION}
+        if unknown:
+            raise ConfigError(f"rope_parameters: unknown layer types {sorted(unknown)}; expected "
+                              f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}")
+        base = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling")}
+        fields = parse_common_fields({**base, "rope_parameters": params.get(FULL_ATTENTION, {})},
+                                     {"max_position_embeddings": 2048})
+        sliding_theta, sliding_scaling, _ = _parse_rope(
+            {**base, "rope_parameters": params.get(SLIDING_ATTENTION, {})})
+    else:
+        fields = parse_common_fields(d, {"max_position_embeddings": 2048})
+        sliding_theta, sliding_scaling = fields["rope_theta"], None
+    layers = fields["num_hidden_layers"]
+    types = d.get("layer_types")
+    if types is None:  # transformers' default: every fourth layer full
+        types = [SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(layers)]
+    if not isinstance(types, list):
+        raise _type_error("layer_types", "a list of strings", types)
+    window = _opt_int(d, "sliding_window") if "sliding_window" in d else 4096
+    sliding_rope = None if (sliding_theta, sliding_scaling) == \
+        (fields["rope_theta"], fields["rope_scaling"]) else (sliding_theta, sliding_scaling)
+    fields.update(layer_types=tuple(types), sliding_window=window, sliding_rope=sliding_rope)
+    return ModelConfig(**fields)
 
 
 register_config_builder("llama", _model_type_is("llama"), _build_llama)
@@ -494,5 +561,6 @@ register_config_builder("mistral", _model_type_is("mistral"), _build_mistral)
 register_config_builder("qwen3_moe", _model_type_is("qwen3_moe"), _build_qwen3_moe)
 register_config_builder("qwen2_moe", _model_type_is("qwen2_moe"), _build_qwen2_moe)
 register_config_builder("mixtral", _model_type_is("mixtral"), _build_mistral)
-register_config_builder("olmo2", _model_type_is("olmo2"), _build_olmo)
-register_config_builder("olmoe", _model_type_is("olmoe"), _build_olmo)
+register_config_builder("olmo2", _model_type_is("olmo2"), _build_olmo2)
+register_config_builder("olmoe", _model_type_is("olmoe"), _build_olmoe)
+register_config_builder("olmo3", _model_type_is("olmo3"), _build_olmo3)

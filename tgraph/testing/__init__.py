@@ -31,7 +31,7 @@ __all__ = [
     "run_greedy", "tiny_hf_config",
 ]
 
-FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "olmo2")
+FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "olmo3")
 # Mixture-of-experts families (tiny configs need their expert keys: see tests/models/test_moe.py).
 MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -57,6 +57,7 @@ def _family_classes(family: str) -> tuple[type, type]:
              "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
              "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
              "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
+             "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
              "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
     if family not in names:
         raise ValueError(f"unknown family {family!r}; expected one of {list(names)}")

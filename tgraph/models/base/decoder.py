@@ -1,9 +1,10 @@
 """The decoder stack shared by Llama-like families: a family subclasses only what differs."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
-from tgraph.io.model_config import ModelConfig
+from tgraph.io.model_config import SLIDING_ATTENTION, ModelConfig
 from tgraph.io.weights import WeightLoader
 from tgraph.layers.attention import Attention, AttentionMetadata
 from tgraph.layers.embedding import ParallelEmbedding
@@ -64,11 +65,17 @@ class BaseModel(Module):
         self.config = config
         self.embed_tokens = ParallelEmbedding(loader, f"{prefix}.embed_tokens", config.vocab_size,
                                               config.hidden_size)
-        self.layers = ModuleList(self.layer_cls(config, loader, f"{prefix}.layers.{i}", i)
+        # Each layer sees its own config where layers differ by type (windows, RoPE).
+        self.layers = ModuleList(self.layer_cls(config.layer_config(i), loader,
+                                                f"{prefix}.layers.{i}", i)
                                  for i in range(config.num_hidden_layers))
         self.norm = RmsNorm(loader, f"{prefix}.norm", config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, max_positions or config.max_position_embeddings,
-                                      device=loader.device)
+        positions = max_positions or config.max_position_embeddings
+        self.rotary = RotaryEmbedding(config, positions, device=loader.device)
+        # The sliding layers' own RoPE tables where they differ (OLMo 3).
+        self.sliding_rotary = None if config.sliding_rope is None else RotaryEmbedding(
+            config.layer_config(config.layer_types.index(SLIDING_ATTENTION)), positions,
+            device=loader.device)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, slots_mapping: Tensor,
                 block_table: Tensor, seq_len: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -76,7 +83,13 @@ class BaseModel(Module):
         cos, sin = self.rotary(position_ids)
         meta = AttentionMetadata(cos, sin, slots_mapping, block_table, seq_len, query_start_loc,
                                  kv_caches)
+        metas = [meta] * len(self.layers)
+        if self.sliding_rotary is not None:
+            sliding = replace(meta, **dict(zip(("cos", "sin"), self.sliding_rotary(position_ids),
+                                               strict=True)))
+            metas = [sliding if t == SLIDING_ATTENTION else meta
+                     for t in self.config.layer_types]
         h = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            h = layer(h, meta)
+        for layer, layer_meta in zip(self.layers, metas, strict=True):
+            h = layer(h, layer_meta)
         return self.norm(h)
