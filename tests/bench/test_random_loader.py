@@ -50,9 +50,11 @@ def test_the_70b_presets_have_their_shapes(name):
 
 
 @pytest.mark.parametrize("name, low, high", [("olmoe-1b-7b", 6.8e9, 7.0e9),
-                                             ("olmo-2-7b", 7.2e9, 7.4e9)])
-def test_the_olmo_presets_have_their_shapes(name, low, high):
-    """OLMoE-1B-7B-0924: 6.92B parameters; OLMo-2-1124-7B: 7.30B (the model cards' counts)."""
+                                             ("olmo-2-7b", 7.2e9, 7.4e9),
+                                             ("gemma-3-1b", 0.99e9, 1.01e9)])
+def test_the_added_presets_have_their_shapes(name, low, high):
+    """OLMoE-1B-7B-0924: 6.92B parameters; OLMo-2-1124-7B: 7.30B; Gemma-3-1B: 1.00B (the model
+    cards' counts)."""
     shapes = checkpoint_shapes(PRESETS[name])
     params = sum(torch.Size(s).numel() for s in shapes.values())
     assert low < params < high, params

@@ -280,3 +280,33 @@ def test_olmo3_default_layer_types_and_refusals():
         ModelConfig.from_dict(olmo3_hub(sliding_window=None))
     with pytest.raises(ConfigError, match="unknown layer types .*'local'"):
         ModelConfig.from_dict(olmo3_hub(rope_parameters={"local": {"rope_theta": 1.0}}))
+
+
+def gemma3_hub(**overrides) -> dict:
+    """Gemma-3-4B's text config layout: global rope_theta with linear scaling, the local base
+    in rope_local_base_freq, a window pattern instead of layer_types."""
+    return {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 1024,
+            "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "head_dim": 256,
+            "hidden_activation": "gelu_pytorch_tanh", "final_logit_softcapping": None,
+            "attn_logit_softcapping": None, **{**TINY, "num_hidden_layers": 12}, **overrides}
+
+
+def test_gemma3_local_and_global_rope_and_refusals(tmp_path):
+    c = ModelConfig.from_dict(gemma3_hub())
+    assert c.layer_types == (("sliding_attention",) * 5 + ("full_attention",)) * 2
+    assert c.hidden_act == "gelu_pytorch_tanh" and c.tie_word_embeddings and c.head_dim == 256
+    local, full = c.layer_config(0), c.layer_config(5)
+    assert (local.sliding_window, local.rope_theta, local.rope_scaling) == (1024, 1e4, None)
+    assert (full.sliding_window, full.rope_theta) == (None, 1e6)
+    assert full.rope_scaling == {"rope_type": "linear", "factor": 8.0}
+    _, saved = hf_saved(tmp_path, "Gemma3TextConfig", **{
+        k: v for k, v in gemma3_hub().items() if k not in ("architectures", "model_type")})
+    c5 = ModelConfig.from_dict(saved)
+    assert c5.layer_types == c.layer_types and c5.sliding_rope == c.sliding_rope
+    assert c5.layer_config(5).rope_scaling == full.rope_scaling
+    with pytest.raises(ConfigError, match="final_logit_softcapping = 30.0 is not supported"):
+        ModelConfig.from_dict(gemma3_hub(final_logit_softcapping=30.0))
+    with pytest.raises(ConfigError, match="use_bidirectional_attention"):
+        ModelConfig.from_dict(gemma3_hub(use_bidirectional_attention=True))

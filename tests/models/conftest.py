@@ -53,6 +53,16 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                         "sliding_attention"],
                         "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
                                          "original_max_position_embeddings": 16}}),
+    # Gemma 3: (1 + w) norms, scaled embeddings, query_pre_attn_scalar, a window of 5 on layers
+    # 0 and 2 with the local RoPE base, layer 1 full with a linearly scaled global one.
+    "gemma3": ("gemma3_text", {"head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 5,
+                               "layer_types": ["sliding_attention", "full_attention",
+                                               "sliding_attention"],
+                               "rope_parameters": {
+                                   "sliding_attention": {"rope_type": "default",
+                                                         "rope_theta": 10000.0},
+                                   "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                      "rope_theta": 1000000.0}}}),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
                         "clip_qkv": 2.5}),
 }

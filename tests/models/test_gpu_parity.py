@@ -55,6 +55,10 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # Three sliding layers (window 128) to one full layer with YaRN, as OLMo-3-7B.
     "olmo3": ("olmo3", {"sliding_window": 128, "rope_scaling": {
         "rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}}),
+    # Gemma-3-1B-like attention: head_dim 256, (1 + w) norms, five sliding layers to one full.
+    "gemma3": ("gemma3_text", {"num_attention_heads": 8, "num_key_value_heads": 4,
+                               "head_dim": 256, "query_pre_attn_scalar": 256,
+                               "sliding_window": 128, "num_hidden_layers": 6}),
 }
 
 PROMPT_LENGTHS = (1, 9, 33, 130, 300, 517)

@@ -521,10 +521,15 @@ def _build_olmoe(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**parse_common_fields(d, {"max_position_embeddings": 4096}))
 
 
-def _build_olmo3(d: dict[str, Any]) -> ModelConfig:
-    # OLMo 3: OLMo 2 with three sliding-window layers to one full layer. Its RoPE is given per
-    # layer type (transformers 5), or as rope_theta + a rope_scaling that only the full layers
-    # use (the hub's configs; transformers converts them so).
+def _typed_layers(d: dict[str, Any], defaults: dict[str, Any], *, pattern: int,
+                  local_theta_key: str | None = None, window: int = 4096) -> dict[str, Any]:
+    """Common fields of a family whose layers are typed sliding / full (OLMo 3, Gemma 3).
+
+    RoPE is given per layer type (transformers 5's ``rope_parameters``), or as the hub's
+    ``rope_theta`` + ``rope_scaling`` that only the full layers use, the sliding ones plain RoPE
+    of ``local_theta_key``'s base (else the same theta), as transformers converts them. Without
+    ``layer_types`` every ``pattern``-th layer is full.
+    """
     params = d.get("rope_parameters")
     per_type = isinstance(params, dict) and bool(params) and all(
         isinstance(v, dict) for v in params.values())
@@ -535,22 +540,49 @@ def _build_olmo3(d: dict[str, Any]) -> ModelConfig:
                               f"{FULL_ATTENTION!r} and {SLIDING_ATTENTION!r}")
         base = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling")}
         fields = parse_common_fields({**base, "rope_parameters": params.get(FULL_ATTENTION, {})},
-                                     {"max_position_embeddings": 2048})
+                                     defaults)
         sliding_theta, sliding_scaling, _ = _parse_rope(
             {**base, "rope_parameters": params.get(SLIDING_ATTENTION, {})})
     else:
-        fields = parse_common_fields(d, {"max_position_embeddings": 2048})
+        fields = parse_common_fields(d, defaults)
         sliding_theta, sliding_scaling = fields["rope_theta"], None
+        if local_theta_key is not None and d.get(local_theta_key) is not None:
+            sliding_theta = _float(d, local_theta_key, None)
     layers = fields["num_hidden_layers"]
     types = d.get("layer_types")
-    if types is None:  # transformers' default: every fourth layer full
-        types = [SLIDING_ATTENTION if (i + 1) % 4 else FULL_ATTENTION for i in range(layers)]
+    if types is None:
+        types = [SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+                 for i in range(layers)]
     if not isinstance(types, list):
         raise _type_error("layer_types", "a list of strings", types)
-    window = _opt_int(d, "sliding_window") if "sliding_window" in d else 4096
     sliding_rope = None if (sliding_theta, sliding_scaling) == \
         (fields["rope_theta"], fields["rope_scaling"]) else (sliding_theta, sliding_scaling)
-    fields.update(layer_types=tuple(types), sliding_window=window, sliding_rope=sliding_rope)
+    fields.update(layer_types=tuple(types), sliding_rope=sliding_rope,
+                  sliding_window=_opt_int(d, "sliding_window") if "sliding_window" in d
+                  else window)
+    return fields
+
+
+def _build_olmo3(d: dict[str, Any]) -> ModelConfig:
+    # OLMo 2 with three sliding-window layers to one full layer.
+    return ModelConfig(**_typed_layers(d, {"max_position_embeddings": 2048}, pattern=4))
+
+
+def _build_gemma3_text(d: dict[str, Any]) -> ModelConfig:
+    # Five sliding layers (local RoPE base rope_local_base_freq) to one full; the activation is
+    # hidden_activation; embeddings tied unless said otherwise.
+    for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ConfigError(f"{key} = {d[key]!r} is not supported (Gemma 3 has none; Gemma 2's "
+                              "soft-capping is not implemented)")
+    if d.get("use_bidirectional_attention"):
+        raise ConfigError("use_bidirectional_attention is not supported (an encoder, not a "
+                          "causal LM)")
+    pattern = _int(d, "sliding_window_pattern", 6)
+    fields = _typed_layers(d, {"max_position_embeddings": 131072, "head_dim": 256,
+                               "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
+                           pattern=pattern, local_theta_key="rope_local_base_freq")
+    fields.update(hidden_act=_str(d, "hidden_activation", "gelu_pytorch_tanh"))
     return ModelConfig(**fields)
 
 
@@ -564,3 +596,4 @@ register_config_builder("mixtral", _model_type_is("mixtral"), _build_mistral)
 register_config_builder("olmo2", _model_type_is("olmo2"), _build_olmo2)
 register_config_builder("olmoe", _model_type_is("olmoe"), _build_olmoe)
 register_config_builder("olmo3", _model_type_is("olmo3"), _build_olmo3)
+register_config_builder("gemma3_text", _model_type_is("gemma3_text"), _build_gemma3_text)

@@ -25,6 +25,19 @@ class RmsNorm(Module):
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
+class GemmaRmsNorm(RmsNorm):
+    """RMSNorm that scales by ``1 + weight`` (Gemma's checkpoints store the offset from one);
+    the one is added at load in fp32, so the graph's norm is the plain one."""
+
+    def __init__(self, loader: WeightLoader, prefix: str, hidden_size: int, eps: float) -> None:
+        Module.__init__(self)
+        name = f"{prefix}.weight"
+        loader.expect_shape(name, (hidden_size,))
+        dtype = loader.dtype or loader.get_tensor(name).dtype
+        self.weight = Parameter((1.0 + loader.get_tensor(name, dtype=torch.float32)).to(dtype))
+        self.eps = eps
+
+
 class HeadsRmsNorm(Module):
     """RMSNorm over every head's features of q or k at once (OLMo 2, OLMoE), the heads split
     over tensor-parallel ranks as the q|k|v projection splits them.

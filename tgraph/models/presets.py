@@ -45,6 +45,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=32, rms_norm_eps=1e-6, rope_theta=500000.0,
         max_position_embeddings=4096, tie_word_embeddings=False, torch_dtype="bfloat16"),
+    # Five sliding layers (512) to one global; head_dim 256 with one KV head.
+    "gemma-3-1b": dict(
+        model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], vocab_size=262144,
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512,
+        sliding_window_pattern=6, rope_theta=1000000.0, rope_local_base_freq=10000.0,
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, max_position_embeddings=32768,
+        tie_word_embeddings=True, torch_dtype="bfloat16"),
     # Tensor-parallel shapes (tgraph.bench.tp): 141 GB and 145 GB in bf16, more than one GPU.
     "llama-3-70b": dict(
         model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256,

@@ -48,6 +48,7 @@ BUILTIN_FAMILIES: tuple[BuiltinFamily, ...] = (
     BuiltinFamily("tgraph.models.olmo2", ("olmo2",), ("Olmo2ForCausalLM",)),
     BuiltinFamily("tgraph.models.olmo3", ("olmo3",), ("Olmo3ForCausalLM",)),
     BuiltinFamily("tgraph.models.olmoe", ("olmoe",), ("OlmoeForCausalLM",)),
+    BuiltinFamily("tgraph.models.gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",)),
 )
 
 

@@ -57,7 +57,8 @@ class BaseModel(Module):
         max_positions: rows of the rotary tables (the serving context length).
     """
 
-    layer_cls: type[BaseLayer] = BaseLayer
+    layer_cls: type[Module] = BaseLayer
+    norm_cls: type[RmsNorm] = RmsNorm  # the final norm's
 
     def __init__(self, config: ModelConfig, loader: WeightLoader, prefix: str = "model",
                  max_positions: int | None = None) -> None:
@@ -69,13 +70,18 @@ class BaseModel(Module):
         self.layers = ModuleList(self.layer_cls(config.layer_config(i), loader,
                                                 f"{prefix}.layers.{i}", i)
                                  for i in range(config.num_hidden_layers))
-        self.norm = RmsNorm(loader, f"{prefix}.norm", config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_cls(loader, f"{prefix}.norm", config.hidden_size,
+                                  config.rms_norm_eps)
         positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, positions, device=loader.device)
         # The sliding layers' own RoPE tables where they differ (OLMo 3).
         self.sliding_rotary = None if config.sliding_rope is None else RotaryEmbedding(
             config.layer_config(config.layer_types.index(SLIDING_ATTENTION)), positions,
             device=loader.device)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The input embeddings of ``input_ids`` (a family may scale them)."""
+        return self.embed_tokens(input_ids)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, slots_mapping: Tensor,
                 block_table: Tensor, seq_len: Tensor, kv_caches: list[tuple[Tensor, Tensor]],
@@ -89,7 +95,7 @@ class BaseModel(Module):
                                                strict=True)))
             metas = [sliding if t == SLIDING_ATTENTION else meta
                      for t in self.config.layer_types]
-        h = self.embed_tokens(input_ids)
+        h = self.embed(input_ids)
         for layer, layer_meta in zip(self.layers, metas, strict=True):
             h = layer(h, layer_meta)
         return self.norm(h)
