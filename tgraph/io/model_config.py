@@ -568,21 +568,44 @@ def _build_olmo3(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**_typed_layers(d, {"max_position_embeddings": 2048}, pattern=4))
 
 
-def _build_gemma3_text(d: dict[str, Any]) -> ModelConfig:
+# transformers' Gemma3TextConfig defaults: a vision-language checkpoint's text_config states only
+# what differs from them.
+GEMMA3_TEXT_DEFAULTS: dict[str, Any] = dict(
+    vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+    num_attention_heads=8, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+    rope_theta=1000000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=256,
+    sliding_window=4096, sliding_window_pattern=6, max_position_embeddings=131072,
+    hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True, bos_token_id=2,
+    eos_token_id=1, pad_token_id=0)
+
+
+def gemma3_text_config(d: Mapping[str, Any]) -> dict[str, Any]:
+    """The text model's keys of a Gemma 3 config (``gemma3_text``, or a vision-language
+    ``gemma3``'s ``text_config`` with the outer token ids), over transformers' defaults."""
+    if d.get("model_type") != "gemma3":
+        return {**GEMMA3_TEXT_DEFAULTS, **d}
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise _type_error("text_config", "an object (the language model's config)", text)
+    outer = {k: d[k] for k in ("architectures", "eos_token_id", "bos_token_id", "pad_token_id",
+                               "torch_dtype", "dtype", "tie_word_embeddings") if k in d}
+    return {**GEMMA3_TEXT_DEFAULTS, **text, **outer, "model_type": "gemma3"}
+
+
+def _build_gemma3(d: dict[str, Any]) -> ModelConfig:
     # Five sliding layers (local RoPE base rope_local_base_freq) to one full; the activation is
-    # hidden_activation; embeddings tied unless said otherwise.
+    # hidden_activation. A vision-language checkpoint (model_type gemma3) gives its text model.
+    t = gemma3_text_config(d)
     for key in ("final_logit_softcapping", "attn_logit_softcapping"):
-        if d.get(key) is not None:
-            raise ConfigError(f"{key} = {d[key]!r} is not supported (Gemma 3 has none; Gemma 2's "
+        if t.get(key) is not None:
+            raise ConfigError(f"{key} = {t[key]!r} is not supported (Gemma 3 has none; Gemma 2's "
                               "soft-capping is not implemented)")
-    if d.get("use_bidirectional_attention"):
+    if t.get("use_bidirectional_attention"):
         raise ConfigError("use_bidirectional_attention is not supported (an encoder, not a "
                           "causal LM)")
-    pattern = _int(d, "sliding_window_pattern", 6)
-    fields = _typed_layers(d, {"max_position_embeddings": 131072, "head_dim": 256,
-                               "tie_word_embeddings": True, "rms_norm_eps": 1e-6},
-                           pattern=pattern, local_theta_key="rope_local_base_freq")
-    fields.update(hidden_act=_str(d, "hidden_activation", "gelu_pytorch_tanh"))
+    fields = _typed_layers(t, {}, pattern=_int(t, "sliding_window_pattern", 6),
+                           local_theta_key="rope_local_base_freq")
+    fields.update(hidden_act=_str(t, "hidden_activation", "gelu_pytorch_tanh"))
     return ModelConfig(**fields)
 
 
@@ -596,4 +619,4 @@ register_config_builder("mixtral", _model_type_is("mixtral"), _build_mistral)
 register_config_builder("olmo2", _model_type_is("olmo2"), _build_olmo2)
 register_config_builder("olmoe", _model_type_is("olmoe"), _build_olmoe)
 register_config_builder("olmo3", _model_type_is("olmo3"), _build_olmo3)
-register_config_builder("gemma3_text", _model_type_is("gemma3_text"), _build_gemma3_text)
+register_config_builder("gemma3", _model_type_is("gemma3_text", "gemma3"), _build_gemma3)

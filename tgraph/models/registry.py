@@ -48,7 +48,8 @@ BUILTIN_FAMILIES: tuple[BuiltinFamily, ...] = (
     BuiltinFamily("tgraph.models.olmo2", ("olmo2",), ("Olmo2ForCausalLM",)),
     BuiltinFamily("tgraph.models.olmo3", ("olmo3",), ("Olmo3ForCausalLM",)),
     BuiltinFamily("tgraph.models.olmoe", ("olmoe",), ("OlmoeForCausalLM",)),
-    BuiltinFamily("tgraph.models.gemma3", ("gemma3_text",), ("Gemma3ForCausalLM",)),
+    BuiltinFamily("tgraph.models.gemma3", ("gemma3_text", "gemma3"),
+                  ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")),
 )
 
 

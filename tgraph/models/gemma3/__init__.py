@@ -1,3 +1,6 @@
-from tgraph.models.gemma3.modeling import FlashGemma3ForCausalLM
+from tgraph.models.gemma3.modeling import (
+    FlashGemma3ForCausalLM,
+    FlashGemma3ForConditionalGeneration,
+)
 
-__all__ = ["FlashGemma3ForCausalLM"]
+__all__ = ["FlashGemma3ForCausalLM", "FlashGemma3ForConditionalGeneration"]

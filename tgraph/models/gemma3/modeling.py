@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from tgraph.errors import ConfigError
+from tgraph.io.model_config import gemma3_text_config
 from tgraph.layers.attention import Attention
 from tgraph.layers.mlp import Mlp
 from tgraph.layers.norm import GemmaRmsNorm
@@ -25,7 +26,7 @@ from tgraph.nn.module import Module
 class Gemma3Attention(Attention):
     def __init__(self, config, loader, prefix, layer_idx, **kwargs):
         super().__init__(config, loader, prefix, layer_idx, **kwargs)
-        scalar = config.hf_config.get("query_pre_attn_scalar", config.head_dim)
+        scalar = gemma3_text_config(config.hf_config)["query_pre_attn_scalar"]
         if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or scalar <= 0:
             raise ConfigError(f"query_pre_attn_scalar must be a positive number, got {scalar!r}")
         self.scale = float(scalar) ** -0.5
@@ -81,3 +82,32 @@ class Gemma3Model(BaseModel):
                 VocabParallelDecorator)
 class FlashGemma3ForCausalLM(LlamaLikeForCausalLM):
     model_cls = Gemma3Model
+
+
+# Where a vision-language checkpoint keeps its language model: transformers 5 saves
+# ``model.language_model.*``, 4.x ``language_model.model.*`` (and ``language_model.lm_head``).
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+_HEAD_NAMES = ("language_model.lm_head.weight",)
+_VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.",
+                    "model.multi_modal_projector.")
+
+
+@register_model(model_types=("gemma3",), architectures=("Gemma3ForConditionalGeneration",))
+@torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator,
+                VocabParallelDecorator)
+class FlashGemma3ForConditionalGeneration(LlamaLikeForCausalLM):
+    """The language model of a Gemma 3 vision-language checkpoint (4B, 12B, 27B), for text: its
+    tensors are read under the text model's names; the vision tower's are not read."""
+
+    model_cls = Gemma3Model
+
+    def __init__(self, llm_config, weight_loader, **kwargs):
+        for name in weight_loader.names():
+            prefix = next((p for p in _TEXT_PREFIXES if name.startswith(p)), None)
+            if prefix is not None:
+                weight_loader.alias("model." + name[len(prefix):], name)
+            elif name in _HEAD_NAMES:
+                weight_loader.alias("lm_head.weight", name)
+            elif name.startswith(_VISION_PREFIXES):
+                weight_loader.mark_used(name)  # images are not an input here
+        super().__init__(llm_config, weight_loader, **kwargs)
