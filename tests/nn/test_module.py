@@ -217,6 +217,14 @@ def test_module_registration_errors_and_attribute_handling() -> None:
     del m.weight
     with pytest.raises(AttributeError):
         _ = m.weight
+    m.extra = None  # a plain value, then a module or parameter under its name: the latter wins
+    m.extra = Linear(2, 2)
+    assert isinstance(m.extra, Linear) and "extra" in dict(m.named_modules())
+    m.scale = None
+    m.scale = Parameter(torch.ones(2))
+    assert isinstance(m.scale, Parameter) and "scale" in dict(m.named_parameters())
+    m.extra = None  # and back to a plain value
+    assert m.extra is None and "extra" not in dict(m.named_modules())
     with pytest.raises(NotImplementedError, match="Module does not define forward"):
         Module()()
     root = CausalLM()

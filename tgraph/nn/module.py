@@ -75,10 +75,9 @@ class Module:
                                  f"before assigning {name!r}")
         self._modules.pop(name, None)
         self._parameters.pop(name, None)
-        if isinstance(value, Parameter):
-            self._parameters[name] = value
-        elif isinstance(value, Module):
-            self._modules[name] = value
+        if isinstance(value, (Parameter, Module)):
+            self.__dict__.pop(name, None)  # a plain value assigned earlier would shadow it
+            (self._parameters if isinstance(value, Parameter) else self._modules)[name] = value
         else:
             object.__setattr__(self, name, value)
 
