@@ -75,9 +75,10 @@ class BaseModel(Module):
         positions = max_positions or config.max_position_embeddings
         self.rotary = RotaryEmbedding(config, positions, device=loader.device)
         # The sliding layers' own RoPE tables where they differ (OLMo 3).
-        self.sliding_rotary = None if config.sliding_rope is None else RotaryEmbedding(
+        slides = config.sliding_rope is not None and SLIDING_ATTENTION in config.layer_types
+        self.sliding_rotary = RotaryEmbedding(
             config.layer_config(config.layer_types.index(SLIDING_ATTENTION)), positions,
-            device=loader.device)
+            device=loader.device) if slides else None
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """The input embeddings of ``input_ids`` (a family may scale them)."""
@@ -91,8 +92,8 @@ class BaseModel(Module):
                                  kv_caches)
         metas = [meta] * len(self.layers)
         if self.sliding_rotary is not None:
-            sliding = replace(meta, **dict(zip(("cos", "sin"), self.sliding_rotary(position_ids),
-                                               strict=True)))
+            local_cos, local_sin = self.sliding_rotary(position_ids)
+            sliding = replace(meta, cos=local_cos, sin=local_sin)
             metas = [sliding if t == SLIDING_ATTENTION else meta
                      for t in self.config.layer_types]
         h = self.embed(input_ids)
