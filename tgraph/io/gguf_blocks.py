@@ -184,12 +184,8 @@ def _repack_q5_k(b: np.ndarray) -> Repacked:
 
 def _repack_q6_k(b: np.ndarray) -> Repacked:
     # w = (d * scale) * (q - 32), per 16 values
-    n = b.shape[0]
     low = _nibbles(b[:, :128], 64)
-    bits = b[:, 128:192].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(
-        1, 1, 4, 1)
-    high = (bits & np.uint8(3)).reshape(n, -1)
-    codes = (low | (high << np.uint8(4))).view(np.int8) - np.int8(32)
+    codes = (low | (_crumbs(b[:, 128:192]) << np.uint8(4))).view(np.int8) - np.int8(32)
     scales = np.ascontiguousarray(b[:, 192:208]).view(np.int8).astype(np.float32)
     return codes, _f16(b[:, 208:210])[:, None] * scales, None
 
