@@ -247,10 +247,7 @@ class QKVParallelLinear(LinearBase):
         q_prefix, k_prefix, v_prefix = prefixes
 
         def kv_part(name: str) -> torch.Tensor:
-            if num_kv_heads >= ws:
-                return loader.get_sharded(name, 0, rank, ws)
-            head = rank * num_kv_heads // ws
-            return loader.get_sharded(name, 0, head, num_kv_heads)
+            return heads_shard(loader, name, num_kv_heads, rank, ws)
 
         parts = [loader.get_sharded(f"{q_prefix}.weight", 0, rank, ws),
                  kv_part(f"{k_prefix}.weight"), kv_part(f"{v_prefix}.weight")]
@@ -267,6 +264,16 @@ class QKVParallelLinear(LinearBase):
         self.num_heads, self.num_kv_heads, self.head_dim = self_heads, kv_heads, head_dim
         self.output_sizes = [self_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
         self.rank, self.world_size = rank, ws
+
+
+def heads_shard(loader: WeightLoader, name: str, num_heads: int, rank: int,
+                world_size: int) -> torch.Tensor:
+    """This rank's rows of ``name``, a tensor of ``num_heads`` equal row blocks split by heads as
+    :class:`QKVParallelLinear` splits them: ``num_heads / world_size`` heads a rank, or with
+    fewer heads than ranks, head ``rank * num_heads // world_size`` (replicated)."""
+    if num_heads >= world_size:
+        return loader.get_sharded(name, 0, rank, world_size)
+    return loader.get_sharded(name, 0, rank * num_heads // world_size, num_heads)
 
 
 def _init_packed(layer: LinearBase, parts: list[Any], biases: list[torch.Tensor] | None) -> None:

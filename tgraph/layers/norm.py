@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from tgraph.io.weights import WeightLoader
+from tgraph.layers.linear import heads_shard
 from tgraph.nn import functional as F
 from tgraph.nn.module import Module, Parameter
 from tgraph.nn.tensor import Tensor
@@ -15,8 +16,12 @@ class RmsNorm(Module):
     def __init__(self, loader: WeightLoader, prefix: str, hidden_size: int, eps: float) -> None:
         super().__init__()
         loader.expect_shape(f"{prefix}.weight", (hidden_size,))
-        self.weight = Parameter(loader.get_tensor(f"{prefix}.weight"))
+        self.weight = Parameter(self.load_scale(loader, f"{prefix}.weight"))
         self.eps = eps
+
+    def load_scale(self, loader: WeightLoader, name: str) -> torch.Tensor:
+        """The scale the norm multiplies by, from the checkpoint tensor ``name``."""
+        return loader.get_tensor(name)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.rms_norm(x, self.weight, self.eps)
@@ -29,13 +34,9 @@ class GemmaRmsNorm(RmsNorm):
     """RMSNorm that scales by ``1 + weight`` (Gemma's checkpoints store the offset from one);
     the one is added at load in fp32, so the graph's norm is the plain one."""
 
-    def __init__(self, loader: WeightLoader, prefix: str, hidden_size: int, eps: float) -> None:
-        Module.__init__(self)
-        name = f"{prefix}.weight"
-        loader.expect_shape(name, (hidden_size,))
-        dtype = loader.dtype or loader.get_tensor(name).dtype
-        self.weight = Parameter((1.0 + loader.get_tensor(name, dtype=torch.float32)).to(dtype))
-        self.eps = eps
+    def load_scale(self, loader: WeightLoader, name: str) -> torch.Tensor:
+        dtype = loader.dtype or loader.stored_dtype(name) or torch.float32
+        return (1.0 + loader.get_tensor(name, dtype=torch.float32)).to(dtype)
 
 
 class HeadsRmsNorm(Module):
@@ -61,12 +62,8 @@ class HeadsRmsNorm(Module):
         name = f"{prefix}.weight"
         loader.expect_shape(name, (num_heads * head_dim,))
         ws = loader.world_size
-        if num_heads >= ws:  # the same split as QKVParallelLinear's
-            weight, self.replicas = loader.get_sharded(name, 0, loader.rank, ws), 1
-        else:
-            head = loader.rank * num_heads // ws
-            weight, self.replicas = loader.get_sharded(name, 0, head, num_heads), ws // num_heads
-        self.weight = Parameter(weight)
+        self.weight = Parameter(heads_shard(loader, name, num_heads, loader.rank, ws))
+        self.replicas = max(1, ws // num_heads)  # ranks holding each head
         self.width, self.head_dim, self.eps, self.world_size = \
             num_heads * head_dim, head_dim, eps, ws
 
