@@ -310,3 +310,6 @@ def test_gemma3_local_and_global_rope_and_refusals(tmp_path):
         ModelConfig.from_dict(gemma3_hub(final_logit_softcapping=30.0))
     with pytest.raises(ConfigError, match="use_bidirectional_attention"):
         ModelConfig.from_dict(gemma3_hub(use_bidirectional_attention=True))
+    # a vision-language config without its language model's
+    with pytest.raises(ConfigError, match="text_config.*an object"):
+        ModelConfig.from_dict({"model_type": "gemma3", "vision_config": {}})

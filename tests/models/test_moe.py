@@ -119,6 +119,13 @@ def test_bad_moe_configs_are_refused(moe_dir, tmp_path):
         _load(_edit(moe_dir, tmp_path / "dense", mlp_only_layers="all"))
 
 
+@pytest.mark.parametrize("clip", [-1.0, "8", True])
+def test_a_bad_olmoe_clip_qkv_is_refused(tiny_model, tmp_path, clip):
+    with pytest.raises(ConfigError, match=r"olmoe: 'clip_qkv' must be a positive number or null, "
+                                          rf"got {clip!r}"):
+        _load(_edit(tiny_model("olmoe").path, tmp_path / "clip", clip_qkv=clip))
+
+
 def test_a_missing_expert_is_named(moe_dir, tmp_path):
     from safetensors.torch import load_file, save_file
 
