@@ -63,11 +63,18 @@ HF_TO_GGUF = {
 }
 
 
-def gguf_name(hf: str) -> str:
+# Gemma 3's block norms, as llama.cpp names them.
+GEMMA3_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
+                  "pre_feedforward_layernorm": "ffn_norm",
+                  "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
     if hf.startswith("model.layers."):
         _, _, layer, rest = hf.split(".", 3)
         module, _, kind = rest.rpartition(".")
-        return f"blk.{layer}.{HF_TO_GGUF[module]}.{kind}"
+        names = GEMMA3_TO_GGUF if arch == "gemma3" else HF_TO_GGUF
+        return f"blk.{layer}.{names[module]}.{kind}"
     return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
             "output_norm.weight", "lm_head.weight": "output.weight"}[hf]
 
@@ -148,7 +155,9 @@ def add_model_metadata(w: Any, c: Any, arch: str, name: str) -> None:
     w.add_feed_forward_length(c.intermediate_size)
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
-    w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or c.rope_parameters["rope_theta"]))
+    rope = c.rope_parameters
+    rope = rope.get("full_attention", rope)  # per layer type (Gemma 3): the global base
+    w.add_rope_freq_base(float(getattr(c, "rope_theta", None) or rope["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -157,6 +166,8 @@ def add_model_metadata(w: Any, c: Any, arch: str, name: str) -> None:
     if head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(c.sliding_window)
 
 
 def add_tokenizer(w: Any, vocab: dict[str, Any]) -> None:
@@ -187,7 +198,7 @@ def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str,
             ``STEM-00001-of-0000N.gguf`` beside it).
     """
     c = hf.config
-    arch = arch or {"mistral": "llama"}.get(c.model_type, c.model_type)
+    arch = arch or {"mistral": "llama", "gemma3_text": "gemma3"}.get(c.model_type, c.model_type)
     w = gguf.GGUFWriter(str(path), arch, split_max_tensors=split_max_tensors)
     add_model_metadata(w, c, arch, name)
     for key, value in (extra or {}).items():
@@ -206,16 +217,18 @@ def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str,
         if arch == "llama" and re.search(r"\.(q|k)_proj\.", hf_name):
             kv = c.num_attention_heads if ".q_proj." in hf_name else c.num_key_value_heads
             data = llama_cpp_permute(data, c.num_attention_heads, kv)
+        if arch == "gemma3" and hf_name.endswith("norm.weight"):
+            data = data + 1  # llama.cpp's converter stores Gemma's norm scales with the one
         if data.ndim == 1:
-            w.add_tensor(gguf_name(hf_name), data.astype(np.float32))
+            w.add_tensor(gguf_name(hf_name, arch), data.astype(np.float32))
             continue
         qtype = types(hf_name, data.shape)
         if qtype == Q.F32:
-            w.add_tensor(gguf_name(hf_name), data)
+            w.add_tensor(gguf_name(hf_name, arch), data)
         elif qtype == Q.F16:
-            w.add_tensor(gguf_name(hf_name), data.astype(np.float16))
+            w.add_tensor(gguf_name(hf_name, arch), data.astype(np.float16))
         else:
-            w.add_tensor(gguf_name(hf_name), encode(data, qtype, rng), raw_dtype=qtype)
+            w.add_tensor(gguf_name(hf_name, arch), encode(data, qtype, rng), raw_dtype=qtype)
     for gguf_key, data in (extra_tensors or {}).items():
         w.add_tensor(gguf_key, data.astype(np.float32))
     w.write_header_to_file()
@@ -277,6 +290,12 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str, tuple], Q], str]] 
     # as Llama: its own "mistral" GGUF path needs an architecture gguf-py does not have.
     "mistral": ("mistral", {"tie_word_embeddings": False},
                 lambda n, s: Q.F16 if "embed" in n else Q.Q4_0, "Mistral 7B Instruct v0.3"),
+    # Gemma 3: norms stored with the one added, four a layer; five sliding layers (window 4) to
+    # one full. head_dim 256 = query_pre_attn_scalar, as in the 1B-12B models (transformers
+    # reads neither from a GGUF and keeps those defaults; tgraph derives them as llama.cpp does).
+    "gemma3": ("gemma3_text", {"tie_word_embeddings": True, "head_dim": 256,
+                               "query_pre_attn_scalar": 256, "num_hidden_layers": 6,
+                               "sliding_window": 4}, _mixed, "tiny"),
 }
 
 
@@ -609,3 +628,20 @@ def test_a_split_model_with_a_part_missing_or_misnamed_is_refused(
     (tmp_path / "other.gguf").rename(parts[2].with_name("m-00002-of-00002.gguf"))
     with pytest.raises(WeightLoadError, match="does not follow"):  # the count disagrees
         gguf_model_config(parts[2].with_name("m-00002-of-00002.gguf"))
+
+
+def test_gemma3_config_is_completed_as_llama_cpp_does(tmp_path: Path, tiny_gguf: Callable,
+                                                     vocab: dict[str, Any]) -> None:
+    """What a Gemma 3 GGUF does not store, llama.cpp fixes: five sliding layers to one full with
+    RoPE base 10000, the window from the metadata, and the attention scale from head_dim except
+    for the 27B model (62 layers), whose scale is hidden / heads."""
+    from tgraph.io.model_config import gemma3_text_config
+
+    config = gguf_model_config(tiny_gguf("gemma3")[0])
+    assert config.layer_types == ("sliding_attention",) * 5 + ("full_attention",)
+    assert (config.layer_config(0).sliding_window, config.layer_config(0).rope_theta) == (4, 1e4)
+    assert (config.layer_config(5).sliding_window, config.layer_config(5).rope_theta) == (None, 1e6)
+    assert gemma3_text_config(config.hf_config)["query_pre_attn_scalar"] == 256
+    hf = random_hf_model("gemma3_text", vocab_size=VOCAB, num_hidden_layers=62, head_dim=32)
+    deep = write_gguf(tmp_path / "deep.gguf", hf, vocab, lambda n, s: Q.F32)
+    assert gemma3_text_config(gguf_model_config(deep).hf_config)["query_pre_attn_scalar"] == 16

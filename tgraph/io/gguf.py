@@ -73,6 +73,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "mistral": ("mistral", "MistralForCausalLM"),
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
+    "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     **MOE_ARCHITECTURES,
 }
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute).
@@ -93,6 +94,14 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Architectures whose block tensors are named otherwise: Gemma 3 normalises each block's input
+# and output, and its ffn_norm is the MLP's input norm.
+_ARCH_BLOCK_NAMES = {"gemma3": {
+    **_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm"}}
+# Architectures whose norm scales llama.cpp's converter stores with Gemma's one added.
+_UNIT_OFFSET_NORMS = ("gemma3",)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
 
 # Metadata value types (GGUFValueType) of fixed width -> struct format.
@@ -101,21 +110,22 @@ _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: 
 _STRING, _ARRAY = 8, 9
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor (``blk.3.attn_q.weight`` ->
-    ``model.layers.3.self_attn.q_proj.weight``), or ``None`` for a name outside the map."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """The Hugging Face name of a GGUF tensor of architecture ``arch`` (``blk.3.attn_q.weight``
+    -> ``model.layers.3.self_attn.q_proj.weight``), or ``None`` for a name outside the map."""
     base, _, kind = name.rpartition(".")
     if kind not in ("weight", "bias"):
         return None
     if base in _TOP_NAMES:
         return f"{_TOP_NAMES[base]}.{kind}"
     m = _BLOCK_RE.fullmatch(base)
-    if m is None or m[2] not in _BLOCK_NAMES:
+    names = _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES)
+    if m is None or m[2] not in names:
         return None
-    return f"model.layers.{m[1]}.{_BLOCK_NAMES[m[2]]}.{kind}"
+    return f"model.layers.{m[1]}.{names[m[2]]}.{kind}"
 
 
-def _dense_source(name: str) -> tuple[str, None] | None:
+def _dense_source(name: str, arch: str) -> tuple[str, None] | None:
     """The GGUF tensor a Hugging Face name of a dense model is read from (the inverse of
     :func:`gguf_to_hf_name`)."""
     base, _, kind = name.rpartition(".")
@@ -124,7 +134,7 @@ def _dense_source(name: str) -> tuple[str, None] | None:
             return f"{gguf_base}.{kind}", None
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", base)
     if m is not None:
-        for gguf_base, hf_base in _BLOCK_NAMES.items():
+        for gguf_base, hf_base in _ARCH_BLOCK_NAMES.get(arch, _BLOCK_NAMES).items():
             if m[2] == hf_base:
                 return f"blk.{m[1]}.{gguf_base}.{kind}", None
     return None
@@ -494,8 +504,10 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
     if model_type == "llama" and "blk.0.attn_q.bias" in tensors:
         d["attention_bias"] = True
     window = key("attention.sliding_window", None)
-    if window is not None and model_type in ("mistral", "mixtral"):
+    if window is not None and model_type in ("mistral", "mixtral", "gemma3_text"):
         d["sliding_window"] = int(window)
+    if arch == "gemma3":
+        d.update(_gemma3_config(d))
     scaling = _rope_scaling(header, key, head_dim, float(d["rope_theta"]))
     if scaling is not None:
         d["rope_scaling"] = scaling
@@ -513,6 +525,16 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
     if eos:
         d["eos_token_id"] = eos[0] if len(eos) == 1 else list(dict.fromkeys(eos))
     return d
+
+
+def _gemma3_config(d: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp fixes for Gemma 3 rather than storing: five sliding layers to one full,
+    the sliding layers' RoPE base 10000, and the attention scale (27B, 62 layers: hidden / heads;
+    the others: head_dim)."""
+    layers, heads = d["num_hidden_layers"], d["num_attention_heads"]
+    scalar = d["hidden_size"] // heads if layers == 62 else d["head_dim"]
+    return {"sliding_window_pattern": 6, "rope_local_base_freq": 10000.0,
+            "query_pre_attn_scalar": scalar}
 
 
 def _one_int(value: Any, key: str) -> int:
@@ -631,7 +653,8 @@ class GGUFLoader(WeightLoader):
             raise WeightLoadError(f"'{self.path}': GGUF architecture {arch!r} is not supported; "
                                   f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         permuted = arch in _PERMUTED_ARCHITECTURES
-        self._model_type = config.model_type
+        self._arch, self._model_type = arch, config.model_type
+        self._unit_offset_norms = arch in _UNIT_OFFSET_NORMS
         self._handles: dict[Path, BinaryIO] = {}
         self._infos: dict[str, GGUFTensorInfo] = {}
         self._heads: dict[str, int] = {}  # names whose rows llama.cpp permuted -> head count
@@ -643,7 +666,7 @@ class GGUFLoader(WeightLoader):
                 refused.append(info)
             # A MoE file's stacked experts: one 2-D entry per expert.
             entries = moe_tensors(info, config.model_type) or [
-                (gguf_to_hf_name(gguf_name) or gguf_name, info)]
+                (gguf_to_hf_name(gguf_name, arch) or gguf_name, info)]
             self._infos.update(entries)
             if permuted and re.fullmatch(r"blk\.\d+\.attn_[qk]\.(weight|bias)", gguf_name):
                 self._heads[entries[0][0]] = (config.num_attention_heads
@@ -708,6 +731,8 @@ class GGUFLoader(WeightLoader):
             order = self._row_order(name, info.shape[0])
             if order is not None:
                 t = t[torch.from_numpy(order)]
+            if self._unit_offset_norms and name.endswith("norm.weight"):
+                t = t.float() - 1.0  # the checkpoint's scale: the model adds the one back
         return t if index is None else t[index]
 
     def _dtype(self, name: str) -> torch.dtype | None:
@@ -745,7 +770,7 @@ class GGUFLoader(WeightLoader):
 
     def _missing_message(self, name: str) -> str:
         msg = super()._missing_message(name)
-        source = moe_source(name, self._model_type) or _dense_source(name)
+        source = moe_source(name, self._model_type) or _dense_source(name, self._arch)
         if source is None:
             return msg
         gguf_name, expert = source
