@@ -28,6 +28,9 @@ def _add_settings(p: argparse.ArgumentParser) -> None:
     p.add_argument("--graph", choices=("static", "eager"),
                    help="static: fused engines + CUDA graphs; eager: reference ops one by one")
     p.add_argument("--module-map", help="Python file that registers custom models")
+    p.add_argument("--tokenizer", metavar="DIR",
+                   help="load the tokenizer from DIR instead of the model's (e.g. the Hugging "
+                        "Face tokenizer of a GGUF file transformers cannot tokenize)")
 
 
 def _settings_overrides(args: argparse.Namespace) -> list[str]:
@@ -80,6 +83,8 @@ def _load(args: argparse.Namespace, in_process: bool = True):
     options = dict(max_model_len=args.max_model_len, module_map=args.module_map,
                    settings_overrides=_settings_overrides(args), loras=_loras(args.lora),
                    single_lora=args.single_lora, dist_timeout=args.dist_timeout)
+    if args.tokenizer:
+        options["tokenizer"] = args.tokenizer
     if not in_process:
         from tgraph.runtime.engine_process import EngineProcess
 

@@ -14,6 +14,7 @@ the gap between its top two logits: any token difference is a bug, not rounding.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -53,30 +54,19 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
 K_SHAPES = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4,
                 num_key_value_heads=2, num_hidden_layers=2)
 
-# HF name pieces -> llama.cpp's (gguf.constants TENSOR_NAMES), as convert_hf_to_gguf maps them.
-HF_TO_GGUF = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-    "self_attn.k_norm": "attn_k_norm", "input_layernorm": "attn_norm",
-    "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down",
-}
-
-
-# Gemma 3's block norms, as llama.cpp names them.
-GEMMA3_TO_GGUF = {**HF_TO_GGUF, "post_attention_layernorm": "post_attention_norm",
-                  "pre_feedforward_layernorm": "ffn_norm",
-                  "post_feedforward_layernorm": "post_ffw_norm"}
+@functools.cache
+def _name_map(arch: str) -> Any:
+    """gguf-py's map of HF names to llama.cpp's for ``arch``, as convert_hf_to_gguf uses it."""
+    (which,) = [a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == arch]
+    return gguf.get_tensor_name_map(which, 128)
 
 
 def gguf_name(hf: str, arch: str = "llama") -> str:
-    if hf.startswith("model.layers."):
-        _, _, layer, rest = hf.split(".", 3)
-        module, _, kind = rest.rpartition(".")
-        names = GEMMA3_TO_GGUF if arch == "gemma3" else HF_TO_GGUF
-        return f"blk.{layer}.{names[module]}.{kind}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight":
-            "output_norm.weight", "lm_head.weight": "output.weight"}[hf]
+    base, _, kind = hf.rpartition(".")
+    # Qwen3-MoE's dense layers (mlp_only_layers) are named as Llama's: gguf-py lists none.
+    name = _name_map(arch).get_name(base) or _name_map("llama").get_name(base)
+    assert name is not None, f"gguf-py maps no {arch} tensor to {hf}"
+    return f"{name}.{kind}"
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -645,3 +635,34 @@ def test_gemma3_config_is_completed_as_llama_cpp_does(tmp_path: Path, tiny_gguf:
     hf = random_hf_model("gemma3_text", vocab_size=VOCAB, num_hidden_layers=62, head_dim=32)
     deep = write_gguf(tmp_path / "deep.gguf", hf, vocab, lambda n, s: Q.F32)
     assert gemma3_text_config(gguf_model_config(deep).hf_config)["query_pre_attn_scalar"] == 16
+
+
+def test_an_olmo2_file_decodes_with_a_tokenizer_given(tmp_path: Path, vocab: dict[str, Any],
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """OLMo 2 files (post norms under llama.cpp's names, q/k norms over all heads) read as the
+    model they were written from. transformers builds no tokenizer for this architecture, so
+    the refusal names the way out and the tokenizer given (a directory) is used."""
+    from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
+
+    hf = random_hf_model("olmo2", seed=3, vocab_size=VOCAB, bos_token_id=vocab["bos"],
+                         eos_token_id=vocab["eos"], tie_word_embeddings=False)
+    path = write_gguf(tmp_path / "olmo2.gguf", hf, vocab, lambda n, s: Q.F32)
+    assert gguf_model_config(path).model_type == "olmo2"
+    with pytest.raises(WeightLoadError, match=r"pass the model's Hugging Face tokenizer "
+                                              r"instead \(LLM\(\.\.\., tokenizer=DIR\)"):
+        LLM(path, device="cpu", dtype="float32")
+    tokenizer_dir = tmp_path / "tokenizer"
+    build_demo_tokenizer(tmp_path / "cache").save_pretrained(str(tokenizer_dir))
+    for graph in ("static", "eager"):
+        llm = LLM(path, device="cpu", dtype="float32", graph=graph, max_model_len=64,
+                  num_blocks=64, block_size=4, tokenizer=tokenizer_dir)
+        got = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+        assert got == hf_greedy(hf, PROMPTS, STEPS), graph
+    assert main(["generate", "--model", str(path), "--tokenizer", str(tokenizer_dir),
+                 "--prompt", "The river", "--max-tokens", "4", "--ignore-eos"]) == 0
+    assert "[4 tokens" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"tokenizer: '.*missing' not found"):
+        LLM(path, device="cpu", dtype="float32", tokenizer=tmp_path / "missing")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="has no tokenizer files"):
+        LLM(path, device="cpu", dtype="float32", tokenizer=tmp_path / "empty")

@@ -1,6 +1,6 @@
 """Tests of mixture-of-experts GGUF files (:mod:`tgraph.io.gguf_moe`).
 
-Tiny random Qwen3-MoE, Qwen2-MoE and Mixtral models are written the way llama.cpp's
+Tiny random Qwen3-MoE, Qwen2-MoE, OLMoE and Mixtral models are written the way llama.cpp's
 ``convert_hf_to_gguf.py`` writes them: each sparse layer's experts stacked into one 3-D tensor
 per projection (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``), the router as
 ``ffn_gate_inp`` (kept F32, as llama-quantize keeps it), Qwen2-MoE's shared expert as
@@ -48,7 +48,7 @@ from tgraph.testing import hf_greedy, random_hf_model
 PROMPTS: list[list[int]] = [[1, 5, 9, 22, 7, 300], [3, 4], [17, 150, 8, 8, 8, 191, 0, 42, 600]]
 STEPS = 6
 GREEDY = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
-ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama"}
+ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "mixtral": "llama", "olmoe": "olmoe"}
 EXPERTS = 4
 
 # Sizes are multiples of 32 (Q4_0 / Q8_0 blocks); the K-quant model's of 256. llama.cpp's
@@ -60,6 +60,9 @@ QWEN2 = dict(num_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=6
              norm_topk_prob=False, shared_expert_intermediate_size=96,
              tie_word_embeddings=False)
 MIXTRAL = dict(num_local_experts=EXPERTS, num_experts_per_tok=2, tie_word_embeddings=False)
+# OLMoE: q/k normalised over all heads, clamped (clamp_kqv); llama.cpp does not renormalise.
+OLMOE = dict(num_experts=EXPERTS, num_experts_per_tok=2, intermediate_size=64,
+             norm_topk_prob=False, clip_qkv=2.5, tie_word_embeddings=False)
 MIXTRAL_K = dict(MIXTRAL, hidden_size=256, intermediate_size=256, num_hidden_layers=2)
 
 
@@ -105,17 +108,18 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str], Q]]] = {
     "mixtral_f32": ("mixtral", MIXTRAL, lambda name: Q.F32),
     "mixtral_k_quants": ("mixtral", MIXTRAL_K, _k_quants),
     "mixtral_low_bits": ("mixtral", MIXTRAL_K, _low_bits),
+    "olmoe_q8_0": ("olmoe", OLMOE, _router_f32(Q.Q8_0)),
 }
 
 
 # ---------------------------------------------------------------------------------- the writer
-def gguf_parts(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+def gguf_parts(name: str, data: np.ndarray, arch: str) -> list[tuple[str, np.ndarray]]:
     """An HF state-dict tensor as llama.cpp's tensors (transformers holds experts stacked:
     ``experts.gate_up_proj [E, 2I, H]``, each expert's gate rows then its up rows)."""
     m = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.(.+)", name)
     if m is None or m[2].split(".")[0] not in ("experts", "gate", "shared_expert",
                                                "shared_expert_gate"):
-        return [(gguf_name(name), data)]
+        return [(gguf_name(name, arch), data)]
     blk, rest = f"blk.{m[1]}", m[2]
     if rest == "experts.gate_up_proj":
         inter = data.shape[1] // 2
@@ -168,8 +172,10 @@ def write_moe_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[
     experts = getattr(c, "num_experts", None) or c.num_local_experts
     w.add_expert_count(expert_count or experts)
     w.add_expert_used_count(c.num_experts_per_tok)
-    if arch != "llama":
+    if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_feed_forward_length(c.moe_intermediate_size)
+    if getattr(c, "clip_qkv", None) is not None:
+        w.add_clamp_kqv(c.clip_qkv)
     if arch == "qwen2moe":
         w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
     add_tokenizer(w, vocab)
@@ -182,7 +188,7 @@ def write_moe_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[
         rows = qk_rows(hf, hf_name)
         if rows is not None:
             data = data[rows]
-        for name, part in gguf_parts(hf_name, data):
+        for name, part in gguf_parts(hf_name, data, arch):
             if name in drop:
                 continue
             if per_expert and name.endswith("_exps.weight"):
@@ -213,7 +219,8 @@ def reference(hf: Any, held: dict[str, np.ndarray]) -> Any:
     for hf_name, t in hf.state_dict().items():
         source = "model.embed_tokens.weight" if hf_name == "lm_head.weight" and \
             hf.config.tie_word_embeddings else hf_name  # a tied head: the file's embedding
-        parts = [held[n] for n, _ in gguf_parts(source, t.detach().numpy())]
+        parts = [held[n] for n, _ in gguf_parts(source, t.detach().numpy(),
+                                                ARCH[hf.config.model_type])]
         value = np.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
         rows = qk_rows(hf, hf_name)
         if rows is not None:
@@ -248,9 +255,9 @@ def moe_gguf(tmp_path_factory: pytest.TempPathFactory, vocab: dict[str, Any]
     return get
 
 
-def _llm(path: Path, graph: str = "static") -> LLM:
+def _llm(path: Path, graph: str = "static", tokenizer: Any = None) -> LLM:
     return LLM(path, device="cpu", dtype="float32", graph=graph, max_model_len=64,
-               num_blocks=64, block_size=4, **EXACT_CPU_QUANT)
+               num_blocks=64, block_size=4, tokenizer=tokenizer, **EXACT_CPU_QUANT)
 
 
 # ---------------------------------------------------------------------------------- config
@@ -274,11 +281,25 @@ def test_config_has_the_moe_keys(variant: str, moe_gguf: Callable) -> None:
         assert d["qkv_bias"] is True
 
 
+def test_olmoe_config_keeps_its_clamp_and_routing(moe_gguf: Callable) -> None:
+    config = gguf_model_config(moe_gguf("olmoe_q8_0")[0])
+    d = config.hf_config
+    assert config.model_type == "olmoe" and d["clip_qkv"] == 2.5
+    assert (d["num_experts"], d["num_experts_per_tok"]) == (EXPERTS, 2)
+    assert d["norm_topk_prob"] is False and config.intermediate_size == 64
+
+
 # ------------------------------------------------------------------------ models vs transformers
 @pytest.mark.parametrize("variant", list(VARIANTS))
-def test_greedy_tokens_match_transformers(variant: str, moe_gguf: Callable) -> None:
+def test_greedy_tokens_match_transformers(variant: str, moe_gguf: Callable,
+                                          tmp_path: Path) -> None:
     path, ref, _ = moe_gguf(variant)
-    llm = _llm(path)
+    tokenizer = None
+    if ARCH[ref.config.model_type] == "olmoe":  # transformers tokenizes no olmoe file: given
+        from tgraph.runtime.demo_tokenizer import build_demo_tokenizer
+
+        tokenizer = build_demo_tokenizer(tmp_path)
+    llm = _llm(path, tokenizer=tokenizer)
     got = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
     assert got == hf_greedy(ref, PROMPTS, STEPS)
     # Quantized experts stay packed: flat [E * 2I, H] and [E * H, I] weights of the file's type.

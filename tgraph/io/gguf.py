@@ -74,6 +74,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2": ("qwen2", "Qwen2ForCausalLM"),
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
+    "olmo2": ("olmo2", "Olmo2ForCausalLM"),
     **MOE_ARCHITECTURES,
 }
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute).
@@ -94,12 +95,13 @@ _BLOCK_NAMES = {
     "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-# Architectures whose block tensors are named otherwise: Gemma 3 normalises each block's input
-# and output, and its ffn_norm is the MLP's input norm.
-_ARCH_BLOCK_NAMES = {"gemma3": {
-    **_BLOCK_NAMES, "ffn_norm": "pre_feedforward_layernorm",
-    "post_attention_norm": "post_attention_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm"}}
+# Architectures whose block tensors are named otherwise: OLMo 2 normalises each block's output,
+# Gemma 3 its input and output (its ffn_norm is the MLP's input norm).
+_POST_NORMS = {"post_attention_norm": "post_attention_layernorm",
+               "post_ffw_norm": "post_feedforward_layernorm"}
+_ARCH_BLOCK_NAMES = {"olmo2": {**_BLOCK_NAMES, **_POST_NORMS},
+                     "gemma3": {**_BLOCK_NAMES, **_POST_NORMS,
+                                "ffn_norm": "pre_feedforward_layernorm"}}
 # Architectures whose norm scales llama.cpp's converter stores with Gemma's one added.
 _UNIT_OFFSET_NORMS = ("gemma3",)
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)")
@@ -508,6 +510,9 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
         d["sliding_window"] = int(window)
     if arch == "gemma3":
         d.update(_gemma3_config(d))
+    clamp = key("attention.clamp_kqv", None)
+    if clamp is not None:  # OLMo's clip_qkv
+        d["clip_qkv"] = float(clamp)
     scaling = _rope_scaling(header, key, head_dim, float(d["rope_theta"]))
     if scaling is not None:
         d["rope_scaling"] = scaling

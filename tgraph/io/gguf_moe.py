@@ -1,4 +1,4 @@
-"""Mixture-of-experts GGUF files (Qwen2-MoE, Qwen3-MoE, Mixtral): the MoE keys of the config,
+"""Mixture-of-experts GGUF files (Qwen2-MoE, Qwen3-MoE, OLMoE, Mixtral): the MoE keys of the config,
 and the expert tensors under the names the MoE families read.
 
 llama.cpp stacks a sparse layer's routed experts into one tensor per projection:
@@ -33,13 +33,14 @@ __all__ = ["MIXTRAL_ARCHITECTURE", "MOE_ARCHITECTURES", "moe_config_of", "moe_so
 MOE_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen2moe": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "qwen3moe": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "olmoe": ("olmoe", "OlmoeForCausalLM"),
 }
 # A "llama" file with an expert count.
 MIXTRAL_ARCHITECTURE = ("mixtral", "MixtralForCausalLM")
 
 # Whether llama.cpp renormalises the top-k probabilities: build_moe_ffn's norm_w is fixed per
 # architecture (Mixtral's "llama": always), whatever the HF config said.
-_RENORMALIZE = {"qwen2moe": False, "qwen3moe": True}
+_RENORMALIZE = {"qwen2moe": False, "qwen3moe": True, "olmoe": False}
 
 # model_type -> (the sparse block's name under model.layers.N, GGUF block tensor -> HF module);
 # "{e}" marks a stacked expert tensor, one HF tensor per expert.
@@ -54,7 +55,8 @@ _MIXTRAL_BLOCK = ("block_sparse_moe", {
     "ffn_down_exps": "experts.{e}.w2",
 })
 _BLOCKS: dict[str, tuple[str, dict[str, str]]] = {
-    "qwen2_moe": _QWEN_BLOCK, "qwen3_moe": _QWEN_BLOCK, "mixtral": _MIXTRAL_BLOCK}
+    "qwen2_moe": _QWEN_BLOCK, "qwen3_moe": _QWEN_BLOCK, "olmoe": _QWEN_BLOCK,
+    "mixtral": _MIXTRAL_BLOCK}
 
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 # Older Mixtral files: one tensor per expert.

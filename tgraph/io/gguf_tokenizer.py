@@ -62,7 +62,8 @@ def load_gguf_tokenizer(path: str | Path) -> Any:
                                                   trust_remote_code=False)
     except Exception as err:  # a GGUF whose vocabulary transformers cannot rebuild
         raise WeightLoadError(f"cannot build the tokenizer of {p} from its GGUF metadata: "
-                              f"{err}") from err
+                              f"{err}; pass the model's Hugging Face tokenizer instead "
+                              "(LLM(..., tokenizer=DIR), or --tokenizer DIR)") from err
     _store(tokenizer, entry)
     return tokenizer
 

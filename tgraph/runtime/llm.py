@@ -89,7 +89,9 @@ class LLM:
     Args:
         model_dir: Hugging Face-style directory (config.json, safetensors, tokenizer files).
         config: a settings JSON file, or :class:`Settings`.
-        tokenizer: a tokenizer to use instead of the one in ``model_dir``.
+        tokenizer: a tokenizer to use instead of the one in ``model_dir``, or the directory (or
+            GGUF file) to load it from (e.g. the Hugging Face tokenizer of a GGUF model whose
+            architecture transformers cannot build a tokenizer for).
         max_model_len: longest prompt + output (default: the model's, capped at 8192).
         module_map: a Python file registering custom models.
         loras: LoRA adapters (PEFT directories) by name, loaded into the multi-LoRA feature; a
@@ -157,7 +159,17 @@ class LLM:
             # file's `modules:` or the module map.
             rules = load_rules(llm.engine.rules, module_map=module_map, any_module=False)
         # A tokenizer that cannot load is refused before the weights are read.
-        self.tokenizer = tokenizer if tokenizer is not None else _load_tokenizer(model_dir)
+        if tokenizer is None:
+            tokenizer = _load_tokenizer(model_dir)
+        elif isinstance(tokenizer, (str, os.PathLike)):
+            path = tokenizer
+            if not Path(path).exists():
+                raise ConfigError(f"tokenizer: '{path}' not found; expected a tokenizer "
+                                  "directory or a .gguf file")
+            if (tokenizer := _load_tokenizer(path)) is None:
+                raise ConfigError(f"tokenizer: '{path}' has no tokenizer files (tokenizer.json, "
+                                  "tokenizer_config.json or tokenizer.model)")
+        self.tokenizer = tokenizer
         start = time.perf_counter()
         # The rules are applied before any graph is recorded; placed weights load in place.
         self.model = load_model(
