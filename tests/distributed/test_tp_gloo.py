@@ -86,6 +86,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                   intermediate_size=90, tie_word_embeddings=True),
         "moe": _save_moe(root / "moe"),
         "olmoe": _save_olmoe(root / "olmoe"),
+        "phi3": _save_phi3(root / "phi3"),
     }
 
 
@@ -109,6 +110,17 @@ def _save_olmoe(path: Path) -> Path:
     model = random_hf_model("olmoe", seed=0, vocab_size=128, num_hidden_layers=2,
                             num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
                             clip_qkv=2.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _save_phi3(path: Path) -> Path:
+    """A Phi-3: each rank reads its heads' rows of the fused qkv_proj (its one KV head on both
+    ranks) and its share of gate_up_proj's gate and up halves."""
+    from tgraph.testing import random_hf_model
+
+    model = random_hf_model("phi3", seed=0, vocab_size=128, num_hidden_layers=2,
+                            num_key_value_heads=1, pad_token_id=0)
     model.save_pretrained(path, safe_serialization=True)
     return path
 
@@ -218,7 +230,7 @@ def test_single_process_reference_matches_transformers(tp_run: TPRun) -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ["split", "replicated", "moe", "olmoe"])
+@pytest.mark.parametrize("name", ["split", "replicated", "moe", "olmoe", "phi3"])
 def test_world_size_2_matches_world_size_1(tp_run: TPRun, name: str, mode: str) -> None:
     ref_logits, ref_tokens = tp_run.reference[(name, mode)]
     ranks = [tp_run.rank_tensors(r) for r in range(2)]
@@ -304,7 +316,7 @@ def test_fusion_structure(tp_run: TPRun) -> None:
         assert report["fusion_linear_triton_unfused"]["kernels"] == ["triton.all_reduce"]
 
 
-@pytest.mark.parametrize("name", ["split", "replicated", "moe", "olmoe"])
+@pytest.mark.parametrize("name", ["split", "replicated", "moe", "olmoe", "phi3"])
 def test_fused_model_matches_unfused(tp_run: TPRun, name: str) -> None:
     layers = 2
     for r in range(2):

@@ -288,6 +288,41 @@ def test_alias_never_shadows_a_stored_tensor(tmp_path, tensors):
     assert EMBED in loader.unused_names()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_row_views_read_a_fused_tensor_as_its_parts(layout, tmp_path, tensors):
+    """Phi-3's fused q|k|v read as q, k and v: whole, sharded by rows or columns, the fused
+    tensor marked used; a view never shadows a stored tensor; a range past the end is named."""
+    fused = torch.arange(12 * 6, dtype=torch.float32).reshape(12, 6)
+    loader = make_loader(layout, tmp_path / "ckpt", dict(tensors, **{"qkv.weight": fused}))
+    for name, start, rows in (("q.weight", 0, 8), ("k.weight", 8, 2), ("v.weight", 10, 2)):
+        loader.row_view(name, "qkv.weight", start, rows)
+    assert loader.has("q.weight") and loader.shape("k.weight") == (2, 6)
+    assert loader.stored_dtype("v.weight") in (torch.float32, None)
+    assert torch.equal(loader.get_tensor("k.weight"), fused[8:10])
+    assert torch.equal(loader.get_sharded("q.weight", 0, rank=1, world_size=2), fused[4:8])
+    assert torch.equal(loader.get_sharded("v.weight", 1, rank=2, world_size=3), fused[10:, 4:])
+    assert torch.equal(loader.get_merged(["q.weight", "v.weight"], shard_dim=0),
+                       torch.cat([fused[:8], fused[10:]]))
+    assert "qkv.weight" not in loader.unused_names() and "q.weight" not in loader.names()
+    loader.row_view(Q, "qkv.weight", 0, 8)  # Q is stored: read as itself
+    assert torch.equal(loader.get_tensor(Q), tensors[Q])
+    with pytest.raises(WeightLoadError, match=r"'x.weight': rows 10\.\.12 of 'qkv.weight', "
+                                              r"which has 12 rows"):
+        loader.row_view("x.weight", "qkv.weight", 10, 3)
+
+
+def test_row_views_of_a_quantized_tensor_narrow_its_codes():
+    from tgraph.quant import quantize
+
+    fused = torch.randn(96, 64)
+    q = quantize(fused, kind="int8")
+    loader = DictWeightLoader({})
+    loader.register_quantized("qkv.weight", (96, 64), lambda: q)
+    loader.row_view("k.weight", "qkv.weight", 64, 32)
+    got = loader.get_sharded("k.weight", 0, rank=1, world_size=2)
+    assert torch.equal(got.dequantize(torch.float32), q.dequantize(torch.float32)[80:96])
+
+
 def test_expect_shape(tmp_path, tensors):
     loader = make_loader("single", tmp_path / "ckpt", tensors)
     loader.expect_shape(Q, (8, 12))

@@ -63,6 +63,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
                                                          "rope_theta": 10000.0},
                                    "full_attention": {"rope_type": "linear", "factor": 4.0,
                                                       "rope_theta": 1000000.0}}}),
+    # Phi-3: fused qkv_proj / gate_up_proj read as their parts, half the head dims rotated
+    # (Phi-4-mini's partial rotary), a window of 6, LongRoPE's short factors and attention
+    # factor (sequences stay inside its original context of 64, as tgraph tabulates it).
+    "phi3": ("phi3", {"partial_rotary_factor": 0.5, "sliding_window": 6, "pad_token_id": 0,
+                      "original_max_position_embeddings": 64,
+                      "rope_scaling": {"rope_type": "longrope",
+                                       "short_factor": [1.0, 1.1, 1.3, 1.6],
+                                       "long_factor": [1.2, 2.0, 3.5, 6.0]}}),
     "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False,
                         "clip_qkv": 2.5}),
 }

@@ -152,6 +152,9 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
     elif tm.name == "gemma3":
         # scores scaled by head_dim ** -0.5, as a model ignoring query_pre_attn_scalar would
         other = random_hf_model(family, seed=0, **{**overrides, "query_pre_attn_scalar": 32})
+    elif tm.name == "phi3":
+        # plain RoPE where LongRoPE scales the rotated dims
+        other = random_hf_model(family, seed=0, **{**overrides, "rope_scaling": None})
     elif tm.name == "olmoe":
         other = random_hf_model(family, seed=0, **{**overrides, "clip_qkv": None})
     elif tm.name == "llama":
@@ -175,8 +178,8 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
 def test_variant_feature_matters(tiny_model, variant):
     """Guard against a vacuous parity test: removing what is special about a variant (rope
     scaling, the untied head, q/k/v biases, q/k norms, the sliding window, the second routed
-    expert of every token, OLMo 3's full layer, Gemma 3's query_pre_attn_scalar, OLMoE's clamp
-    of q/k/v) changes HF's logits
+    expert of every token, OLMo 3's full layer, Gemma 3's query_pre_attn_scalar, Phi-3's LongRoPE,
+    OLMoE's clamp of q/k/v) changes HF's logits
     by far more than the parity tolerance, so a tgraph model that ignored it would fail."""
     tm = tiny_model(variant)
     tokens = PROMPTS[2]

@@ -59,6 +59,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3_text", {"num_attention_heads": 8, "num_key_value_heads": 4,
                                "head_dim": 256, "query_pre_attn_scalar": 256,
                                "sliding_window": 128, "num_hidden_layers": 6}),
+    # Phi-4-mini-like: fused q|k|v and gate|up, three quarters of each head rotated.
+    "phi3": ("phi3", {"partial_rotary_factor": 0.75, "pad_token_id": 0}),
 }
 
 PROMPT_LENGTHS = (1, 9, 33, 130, 300, 517)

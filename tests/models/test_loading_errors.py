@@ -16,7 +16,7 @@ from tgraph.models import check_model, load_model
 from tgraph.models.base.batch import BatchMeta
 from tgraph.testing import PagedBatcher
 
-FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "olmoe")
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "olmoe", "phi3")
 MISSING = "model.layers.1.post_attention_layernorm.weight"
 RESHAPED = "model.layers.2.mlp.up_proj.weight"  # [intermediate 96, hidden 64]
 EXTRA = "model.layers.0.self_attn.extra_scale"

@@ -512,6 +512,13 @@ def _build_qwen2_moe(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**fields)
 
 
+def _build_phi3(d: dict[str, Any]) -> ModelConfig:
+    # Phi-3's mini-4k window (sliding_window) applies to every layer; no biases.
+    fields = parse_common_fields(d, {"max_position_embeddings": 4096})
+    fields.update(attention_bias=False, sliding_window=_opt_int(d, "sliding_window"))
+    return ModelConfig(**fields)
+
+
 def _build_olmo2(d: dict[str, Any]) -> ModelConfig:
     # head_dim is hidden_size / heads; no sliding window.
     return ModelConfig(**parse_common_fields(d, {"max_position_embeddings": 2048}))
@@ -620,3 +627,4 @@ register_config_builder("olmo2", _model_type_is("olmo2"), _build_olmo2)
 register_config_builder("olmoe", _model_type_is("olmoe"), _build_olmoe)
 register_config_builder("olmo3", _model_type_is("olmo3"), _build_olmo3)
 register_config_builder("gemma3", _model_type_is("gemma3_text", "gemma3"), _build_gemma3)
+register_config_builder("phi3", _model_type_is("phi3"), _build_phi3)

@@ -112,6 +112,7 @@ class WeightLoader(ABC):
         self.world_size = world_size
         self._progress_flag = progress
         self._aliases: dict[str, str] = {}
+        self._views: dict[str, tuple[str, int, int]] = {}  # name -> (fused tensor, row, rows)
         self._quantized: dict[str, _QuantEntry] = {}
         self._used: set[str] = set()
         self._read_names: set[str] = set()
@@ -200,7 +201,10 @@ class WeightLoader(ABC):
         return sorted((set(self._names()) - hidden) | set(self._quantized))
 
     def has(self, name: str) -> bool:
-        """Return whether ``name`` can be read, directly or through an :meth:`alias`."""
+        """Return whether ``name`` can be read, directly or through an :meth:`alias` or a
+        :meth:`row_view`."""
+        if name in self._views and self._lookup(name) is None:
+            return self._lookup(self._views[name][0]) is not None
         return self._lookup(name) is not None
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -209,6 +213,10 @@ class WeightLoader(ABC):
         Raises:
             WeightLoadError: the tensor is missing.
         """
+        view = self._view_of(name)
+        if view is not None:
+            target, _, rows = view
+            return (rows, *self.shape(target)[1:])
         real = self._resolve(name)
         if real in self._quantized:
             return self._quantized[real].shape
@@ -217,6 +225,9 @@ class WeightLoader(ABC):
     def stored_dtype(self, name: str) -> torch.dtype | None:
         """The dtype ``name`` is stored in, known without reading its data; ``None`` for a
         quantized weight's logical name or when the reader cannot tell."""
+        view = self._view_of(name)
+        if view is not None:
+            return self.stored_dtype(view[0])
         real = self._resolve(name)
         return None if real in self._quantized else self._dtype(real)
 
@@ -264,6 +275,21 @@ class WeightLoader(ABC):
             raise TypeError(f"alias names must be str, got {name!r} -> {target!r}")
         self._aliases[name] = target
 
+    def row_view(self, name: str, target: str, start: int, rows: int) -> None:
+        """Serve ``name``, where the checkpoint lacks it, as rows ``start .. start + rows - 1``
+        of ``target``: a fused tensor read as its parts (Phi-3's ``qkv_proj`` as ``q_proj``,
+        ``k_proj``, ``v_proj``). Reads of ``name`` (whole or sharded) read only those rows of a
+        dense tensor; they mark ``target`` used.
+
+        Raises:
+            WeightLoadError: ``target`` is missing or has fewer than ``start + rows`` rows.
+        """
+        total = self.shape(target)[0]
+        if start < 0 or rows <= 0 or start + rows > total:
+            raise WeightLoadError(f"tensor '{name}': rows {start}..{start + rows - 1} of "
+                                  f"'{target}', which has {total} rows")
+        self._views[name] = (target, start, rows)
+
     def expect_shape(self, name: str, shape: Sequence[int | None]) -> None:
         """Check the checkpoint shape of ``name`` before reading it.
 
@@ -298,6 +324,8 @@ class WeightLoader(ABC):
             The tensor, contiguous, on ``self.device`` (a :class:`QuantizedWeight` for a name
             registered with :meth:`register_quantized`).
         """
+        if self._view_of(name) is not None:
+            return self._read_view(name, None, dtype)
         real = self._resolve(name)
         if real in self._quantized:
             return self._read_quantized(real, dtype)
@@ -328,8 +356,12 @@ class WeightLoader(ABC):
         Raises:
             WeightLoadError: the tensor is missing or ``dim`` is not divisible by ``world_size``.
         """
+        if self._view_of(name) is not None:
+            return self._read_view(name, self._shard_index(name, self.shape(name), dim, rank,
+                                                           world_size), dtype)
         real = self._resolve(name)
-        index = self._shard_index(name, real, dim, rank, world_size)
+        shape = self._quantized[real].shape if real in self._quantized else self._shape(real)
+        index = self._shard_index(name, shape, dim, rank, world_size)
         if real in self._quantized:
             d = next(i for i, s in enumerate(index) if s != slice(None)) if any(
                 s != slice(None) for s in index) else 0
@@ -381,8 +413,9 @@ class WeightLoader(ABC):
 
     # ------------------------------------------------------------------------------ used ledger
     def mark_used(self, name: str) -> None:
-        """Record that ``name`` (or its alias target) is consumed, without reading it."""
-        self._used.add(self._resolve(name))
+        """Record that ``name`` (or its alias or view target) is consumed, without reading it."""
+        view = self._view_of(name)
+        self._used.add(self._resolve(name if view is None else view[0]))
 
     def unused_names(self) -> list[str]:
         """Return the sorted checkpoint names never read nor marked used (a quantized weight by
@@ -433,13 +466,36 @@ class WeightLoader(ABC):
             msg += "; close matches: " + ", ".join(repr(c) for c in close)
         return msg
 
+    def _view_of(self, name: str) -> tuple[str, int, int] | None:
+        """The :meth:`row_view` serving ``name`` (``None`` where the checkpoint has it)."""
+        if name not in self._views or self._lookup(name) is not None:
+            return None
+        return self._views[name]
+
+    def _read_view(self, name: str, index: Index | None, dtype: torch.dtype | None):
+        """A :meth:`row_view`'s rows (``index`` within the view), from its fused tensor."""
+        target, start, rows = self._views[name]
+        real = self._resolve(target)
+        index = tuple(index or (slice(None),))
+        first = index[0]
+        lo, hi = first.start or 0, rows if first.stop is None else first.stop
+        if real in self._quantized:
+            part = self._read_quantized(real, dtype).narrow(0, start + lo, hi - lo)
+            for d, cut in enumerate(index[1:], start=1):
+                if cut != slice(None):
+                    part = part.narrow(d, cut.start or 0, (cut.stop or part.shape[d]) -
+                                       (cut.start or 0))
+            return part
+        return self._finish(real, self._read(real, (slice(start + lo, start + hi),
+                                                    *index[1:])), dtype)
+
     def _shard_index(
-        self, name: str, real: str, dim: int, rank: int | None, world_size: int | None
+        self, name: str, shape: Sequence[int], dim: int, rank: int | None,
+        world_size: int | None
     ) -> Index:
         rank = self.rank if rank is None else rank
         world_size = self.world_size if world_size is None else world_size
         _check_parallel(rank, world_size)
-        shape = self._quantized[real].shape if real in self._quantized else self._shape(real)
         if not isinstance(dim, int) or isinstance(dim, bool) or not -len(shape) <= dim < len(shape):
             raise WeightLoadError(
                 f"cannot shard tensor '{name}' of shape {list(shape)} along dim {dim}: no such dim"

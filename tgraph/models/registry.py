@@ -46,6 +46,7 @@ BUILTIN_FAMILIES: tuple[BuiltinFamily, ...] = (
     BuiltinFamily("tgraph.models.qwen2_moe", ("qwen2_moe",), ("Qwen2MoeForCausalLM",)),
     BuiltinFamily("tgraph.models.mixtral", ("mixtral",), ("MixtralForCausalLM",)),
     BuiltinFamily("tgraph.models.olmo2", ("olmo2",), ("Olmo2ForCausalLM",)),
+    BuiltinFamily("tgraph.models.phi3", ("phi3",), ("Phi3ForCausalLM",)),
     BuiltinFamily("tgraph.models.olmo3", ("olmo3",), ("Olmo3ForCausalLM",)),
     BuiltinFamily("tgraph.models.olmoe", ("olmoe",), ("OlmoeForCausalLM",)),
     BuiltinFamily("tgraph.models.gemma3", ("gemma3_text", "gemma3"),

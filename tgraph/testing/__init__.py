@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 FAMILIES: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "olmo2", "olmo3",
-                              "gemma3_text")
+                              "gemma3_text", "phi3")
 # Mixture-of-experts families (tiny configs need their expert keys: see tests/models/test_moe.py).
 MOE_FAMILIES: tuple[str, ...] = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 
@@ -60,6 +60,7 @@ def _family_classes(family: str) -> tuple[type, type]:
              "olmo2": ("Olmo2Config", "Olmo2ForCausalLM"),
              "olmo3": ("Olmo3Config", "Olmo3ForCausalLM"),
              "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+             "phi3": ("Phi3Config", "Phi3ForCausalLM"),
              "olmoe": ("OlmoeConfig", "OlmoeForCausalLM")}
     if family not in names:
         raise ValueError(f"unknown family {family!r}; expected one of {list(names)}")
