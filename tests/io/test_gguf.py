@@ -153,6 +153,9 @@ def add_model_metadata(w: Any, c: Any, arch: str, name: str) -> None:
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if arch == "llama":
         w.add_rope_dimension_count(head_dim)
+    if arch == "phi3":  # llama.cpp writes the rotated dims (a fraction of them in Phi-4-mini)
+        rope = c.rope_parameters
+        w.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     if head_dim != c.hidden_size // c.num_attention_heads:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
@@ -199,6 +202,8 @@ def write_gguf(path: Path, hf: Any, vocab: dict[str, Any], types: Callable[[str,
         else:
             w.add_float32(key, value)
     add_tokenizer(w, vocab)
+    if c.pad_token_id is not None and c.pad_token_id < c.vocab_size:
+        w.add_pad_token_id(c.pad_token_id)  # transformers' Phi3Config would default to 32000
     rng = np.random.default_rng(7)
     for hf_name, t in hf.state_dict().items():
         if hf_name == "lm_head.weight" and c.tie_word_embeddings:
@@ -283,6 +288,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any], Callable[[str, tuple], Q], str]] 
     # Gemma 3: norms stored with the one added, four a layer; five sliding layers (window 4) to
     # one full. head_dim 256 = query_pre_attn_scalar, as in the 1B-12B models (transformers
     # reads neither from a GGUF and keeps those defaults; tgraph derives them as llama.cpp does).
+    # Phi-3: q|k|v and gate|up fused (attn_qkv, ffn_up), read as their parts.
+    "phi3": ("phi3", {"tie_word_embeddings": False, "pad_token_id": 0}, _mixed, "tiny"),
     "gemma3": ("gemma3_text", {"tie_word_embeddings": True, "head_dim": 256,
                                "query_pre_attn_scalar": 256, "num_hidden_layers": 6,
                                "sliding_window": 4}, _mixed, "tiny"),
@@ -666,3 +673,30 @@ def test_an_olmo2_file_decodes_with_a_tokenizer_given(tmp_path: Path, vocab: dic
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="has no tokenizer files"):
         LLM(path, device="cpu", dtype="float32", tokenizer=tmp_path / "empty")
+
+
+def test_phi3_longrope_and_partial_rotary_from_the_file(tmp_path: Path,
+                                                        vocab: dict[str, Any]) -> None:
+    """Phi-3-128k / Phi-4-mini files: LongRoPE's factors stored as the rope_factors_long /
+    rope_factors_short tensors with the original context and attention factor in the metadata,
+    and the rotated dims in rope.dimension_count (transformers reads neither from a GGUF, so
+    the oracle is the model the file was written from)."""
+    rope = {"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6],
+            "long_factor": [1.2, 2.0, 3.5, 6.0]}
+    hf = random_hf_model("phi3", seed=3, vocab_size=VOCAB, bos_token_id=vocab["bos"],
+                         eos_token_id=vocab["eos"], pad_token_id=0, partial_rotary_factor=0.5,
+                         original_max_position_embeddings=64, rope_scaling=rope)
+    attention = math.sqrt(1 + math.log(256 / 64) / math.log(64))
+    path = write_gguf(tmp_path / "phi3.gguf", hf, vocab, lambda n, s: Q.F32, extra={
+        "phi3.rope.scaling.original_context_length": 64,
+        "phi3.rope.scaling.attn_factor": attention},
+        extra_tensors={"rope_factors_long.weight": np.array(rope["long_factor"]),
+                       "rope_factors_short.weight": np.array(rope["short_factor"])})
+    config = gguf_model_config(path)
+    assert config.partial_rotary_factor == 0.5 and config.rope_type == "longrope"
+    assert config.rope_scaling["long_factor"] == pytest.approx(rope["long_factor"])
+    assert config.rope_scaling["original_max_position_embeddings"] == 64
+    llm = LLM(path, device="cpu", dtype="float32", max_model_len=64, num_blocks=64,
+              block_size=4)
+    got = [r.token_ids for r in llm.generate(PROMPTS, GREEDY)]
+    assert got == hf_greedy(hf, PROMPTS, STEPS)

@@ -75,6 +75,7 @@ SUPPORTED_ARCHITECTURES: dict[str, tuple[str, str]] = {
     "qwen3": ("qwen3", "Qwen3ForCausalLM"),
     "gemma3": ("gemma3_text", "Gemma3ForCausalLM"),
     "olmo2": ("olmo2", "Olmo2ForCausalLM"),
+    "phi3": ("phi3", "Phi3ForCausalLM"),
     **MOE_ARCHITECTURES,
 }
 # Architectures whose q/k rows llama.cpp's converter permutes (LlamaModel.permute).
@@ -84,7 +85,7 @@ _GGUF_VERSIONS = (2, 3)
 _PART_NAME = re.compile(r"(.+)-(\d{5})-of-(\d{5})(\.gguf)", re.IGNORECASE)
 _DEFAULT_ALIGNMENT = 32
 # Tensors the config consumes (Llama 3 rope factors): not weights of the model.
-_CONFIG_TENSORS = ("rope_freqs.weight",)
+_CONFIG_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
               "output": "lm_head"}
@@ -100,6 +101,9 @@ _BLOCK_NAMES = {
 _POST_NORMS = {"post_attention_norm": "post_attention_layernorm",
                "post_ffw_norm": "post_feedforward_layernorm"}
 _ARCH_BLOCK_NAMES = {"olmo2": {**_BLOCK_NAMES, **_POST_NORMS},
+                     # Phi-3 keeps q|k|v and gate|up fused (the model reads their parts)
+                     "phi3": {**_BLOCK_NAMES, "attn_qkv": "self_attn.qkv_proj",
+                              "ffn_up": "mlp.gate_up_proj"},
                      "gemma3": {**_BLOCK_NAMES, **_POST_NORMS,
                                 "ffn_norm": "pre_feedforward_layernorm"}}
 # Architectures whose norm scales llama.cpp's converter stores with Gemma's one added.
@@ -506,7 +510,7 @@ def hf_config_of(header: GGUFHeader) -> dict[str, Any]:
     if model_type == "llama" and "blk.0.attn_q.bias" in tensors:
         d["attention_bias"] = True
     window = key("attention.sliding_window", None)
-    if window is not None and model_type in ("mistral", "mixtral", "gemma3_text"):
+    if window is not None and model_type in ("mistral", "mixtral", "gemma3_text", "phi3"):
         d["sliding_window"] = int(window)
     if arch == "gemma3":
         d.update(_gemma3_config(d))
@@ -576,13 +580,32 @@ def _rope_scaling(header: GGUFHeader, key: Any, head_dim: int,
     if kind not in (None, "none"):
         raise ConfigError(f"'{header.path}': rope scaling type {kind!r} is not supported; "
                           "supported: linear, yarn, and Llama 3's rope_freqs.weight")
-    freqs = header.tensors.get("rope_freqs.weight")
-    if freqs is None:
+    if "rope_factors_long.weight" in header.tensors:  # Phi-3's LongRoPE, its factors as tensors
+        scaling = {"rope_type": "longrope",
+                   "long_factor": _config_tensor(header, "rope_factors_long.weight").tolist(),
+                   "short_factor": _config_tensor(header, "rope_factors_short.weight").tolist(),
+                   "original_max_position_embeddings":
+                       int(key("rope.scaling.original_context_length"))}
+        attention = key("rope.scaling.attn_factor", None)
+        if attention is not None:
+            scaling["attention_factor"] = float(attention)
+        return scaling
+    if "rope_freqs.weight" not in header.tensors:
         return None
-    with header.path.open("rb") as f:
-        factors = _read_bytes(f, freqs, header.path).view(np.float32).astype(np.float64)
+    factors = _config_tensor(header, "rope_freqs.weight").astype(np.float64)
     return _fit_llama3(header.path, factors, head_dim, theta,
                        int(key("context_length", 8192)))
+
+
+def _config_tensor(header: GGUFHeader, name: str) -> np.ndarray:
+    """An F32 tensor the config is made from (rope factors), read from the part holding it."""
+    info = header.tensors.get(name)
+    if info is None or info.ggml_type != Q.F32:
+        raise ConfigError(f"'{header.path}': expected an F32 tensor '{name}', got "
+                          f"{'none' if info is None else info.describe()}")
+    path = info.file or header.path
+    with path.open("rb") as f:
+        return _read_bytes(f, info, path).view(np.float32)
 
 
 def _llama3_factors(dim: int, theta: float, factor: float, low: float, high: float,

@@ -113,6 +113,7 @@ class WeightLoader(ABC):
         self._progress_flag = progress
         self._aliases: dict[str, str] = {}
         self._views: dict[str, tuple[str, int, int]] = {}  # name -> (fused tensor, row, rows)
+        self._fused: tuple[str, torch.dtype | None, QuantizedWeight] | None = None
         self._quantized: dict[str, _QuantEntry] = {}
         self._used: set[str] = set()
         self._read_names: set[str] = set()
@@ -425,6 +426,7 @@ class WeightLoader(ABC):
     # ------------------------------------------------------------------------------- life cycle
     def close(self) -> None:
         """Release open files and the progress bar. Reads after close reopen files lazily."""
+        self._fused = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -480,7 +482,10 @@ class WeightLoader(ABC):
         first = index[0]
         lo, hi = first.start or 0, rows if first.stop is None else first.stop
         if real in self._quantized:
-            part = self._read_quantized(real, dtype).narrow(0, start + lo, hi - lo)
+            # The fused weight is built once for all its views (a GGUF tensor is repacked whole).
+            if self._fused is None or self._fused[:2] != (real, dtype):
+                self._fused = (real, dtype, self._read_quantized(real, dtype))
+            part = self._fused[2].narrow(0, start + lo, hi - lo)
             for d, cut in enumerate(index[1:], start=1):
                 if cut != slice(None):
                     part = part.narrow(d, cut.start or 0, (cut.stop or part.shape[d]) -
