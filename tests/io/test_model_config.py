@@ -81,6 +81,15 @@ def test_qwen2_defaults(tmp_path):
     assert c.sliding_window == 4096
     with pytest.raises(ConfigError, match="sliding_window is null"):
         ModelConfig.from_dict({**raw, "use_sliding_window": True, "sliding_window": None})
+    # The window applies from layer max_window_layers on (a 4.x config has no layer_types);
+    # layer_types, where the config states them, win.
+    legacy = {k: v for k, v in off.items() if k != "layer_types"}
+    c = ModelConfig.from_dict({**legacy, "use_sliding_window": True, "max_window_layers": 1})
+    assert c.layer_types == ("full_attention", "sliding_attention")
+    assert (c.layer_config(0).sliding_window, c.layer_config(1).sliding_window) == (None, 4096)
+    c = ModelConfig.from_dict({**legacy, "use_sliding_window": True,
+                               "layer_types": ["sliding_attention", "full_attention"]})
+    assert c.layer_config(0).sliding_window == 4096 and c.layer_config(1).sliding_window is None
 
 
 def test_qwen3_qk_norm_and_explicit_head_dim(tmp_path):

@@ -33,6 +33,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("qwen3", {"head_dim": 32}),
     # A window of 5 tokens, shorter than most test prompts.
     "mistral": ("mistral", {"sliding_window": 5}),
+    # Qwen's window applies from layer max_window_layers on: layer 0 full, 1 and 2 sliding.
+    "qwen3_window": ("qwen3", {"head_dim": 32, "use_sliding_window": True, "sliding_window": 5,
+                               "max_window_layers": 1}),
     # Mixture-of-experts: 4 experts, 2 per token. Qwen3-MoE renormalises the top-2 and keeps
     # layer 1 dense; Qwen2-MoE adds its gated shared expert and does not renormalise; Mixtral
     # always renormalises.

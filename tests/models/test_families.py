@@ -145,6 +145,9 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
     elif tm.name in ("qwen3_moe", "qwen2_moe", "mixtral"):
         # the same weights routed to one expert per token instead of two
         other = random_hf_model(family, seed=0, **{**overrides, "num_experts_per_tok": 1})
+    elif tm.name == "qwen3_window":
+        # the window on every layer, as tgraph applied it before reading max_window_layers
+        other = random_hf_model(family, seed=0, **{**overrides, "max_window_layers": 0})
     elif tm.name == "olmo3":
         # the full-attention layer (no window, YaRN) made a sliding one like the others
         other = random_hf_model(family, seed=0, **{**overrides,
@@ -178,9 +181,9 @@ def _ablated_logits(tm, tokens: list[int]) -> torch.Tensor:
 def test_variant_feature_matters(tiny_model, variant):
     """Guard against a vacuous parity test: removing what is special about a variant (rope
     scaling, the untied head, q/k/v biases, q/k norms, the sliding window, the second routed
-    expert of every token, OLMo 3's full layer, Gemma 3's query_pre_attn_scalar, Phi-3's LongRoPE,
-    OLMoE's clamp of q/k/v) changes HF's logits
-    by far more than the parity tolerance, so a tgraph model that ignored it would fail."""
+    expert of every token, Qwen's full first layers, OLMo 3's full layer, Gemma 3's
+    query_pre_attn_scalar, Phi-3's LongRoPE, OLMoE's clamp of q/k/v) changes HF's logits by
+    far more than the parity tolerance, so a tgraph model that ignored it would fail."""
     tm = tiny_model(variant)
     tokens = PROMPTS[2]
     ref = hf_logits(tm.hf, tokens)

@@ -476,10 +476,27 @@ def _build_llama(d: dict[str, Any]) -> ModelConfig:
     return ModelConfig(**parse_common_fields(d, {"max_position_embeddings": 2048}))
 
 
+def _qwen_layer_types(d: Mapping[str, Any], window: int | None,
+                      layers: int) -> tuple[str, ...]:
+    # With a window, Qwen2 / Qwen3 slide only from layer max_window_layers on (transformers'
+    # layer_types, which a 5.x config.json states).
+    if window is None:
+        return ()
+    types = d.get("layer_types")
+    if types is None:
+        first = _int(d, "max_window_layers", 28, minimum=0)
+        types = [SLIDING_ATTENTION if i >= first else FULL_ATTENTION for i in range(layers)]
+    if not isinstance(types, list):
+        raise _type_error("layer_types", "a list of strings", types)
+    return tuple(types)
+
+
 def _build_qwen2(d: dict[str, Any]) -> ModelConfig:
     fields = parse_common_fields(d, {"max_position_embeddings": 32768})
     # Qwen2 always has q/k/v biases; its config.json has no attention_bias key.
-    fields.update(attention_bias=True, sliding_window=_qwen_window(d))
+    window = _qwen_window(d)
+    fields.update(attention_bias=True, sliding_window=window,
+                  layer_types=_qwen_layer_types(d, window, fields["num_hidden_layers"]))
     return ModelConfig(**fields)
 
 
@@ -488,7 +505,9 @@ def _build_qwen3(d: dict[str, Any]) -> ModelConfig:
     fields = parse_common_fields(
         d, {"max_position_embeddings": 32768, "head_dim": 128, "qk_norm": True}
     )
-    fields.update(sliding_window=_qwen_window(d))
+    window = _qwen_window(d)
+    fields.update(sliding_window=window,
+                  layer_types=_qwen_layer_types(d, window, fields["num_hidden_layers"]))
     return ModelConfig(**fields)
 
 
