@@ -1,5 +1,7 @@
-"""OLMo 2: Llama whose q and k are each RMS-normalised over all heads at once, and whose layers
-normalise each block's output (``h += norm(attn(h)); h += norm(mlp(h))``) instead of its input."""
+"""OLMo 2 and OLMo 3: Llama whose q and k are each RMS-normalised over all heads at once, and
+whose layers normalise each block's output (``h += norm(attn(h)); h += norm(mlp(h))``) instead of
+its input. OLMo 3 differs only in its config: layers typed sliding / full by ``layer_types``, the
+RoPE scaling on the full ones (:meth:`ModelConfig.layer_config`)."""
 from __future__ import annotations
 
 from tgraph.layers.attention import Attention
@@ -55,7 +57,8 @@ class Olmo2Model(BaseModel):
     layer_cls = Olmo2Layer
 
 
-@register_model(model_types=("olmo2",), architectures=("Olmo2ForCausalLM",))
+@register_model(model_types=("olmo2", "olmo3"),
+                architectures=("Olmo2ForCausalLM", "Olmo3ForCausalLM"))
 @torch_to_graph(SingleLoraDecorator, MultiLoraDecorator, LogitBiasDecorator,
                 VocabParallelDecorator)
 class FlashOlmo2ForCausalLM(LlamaLikeForCausalLM):
